@@ -1,0 +1,100 @@
+"""Splitting a flat tensor into fixed-size blocks and finding the non-zero ones.
+
+Everything here is vectorised: one pass of max/min over a (blocks, block_size) view, no per-block
+Python. The last block may be short; it is handled as its own padded row so that the bulk of the
+tensor is never copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .fixedpoint import block_exponents
+from .protocol import INT_EXP, MAX_BLOCKS
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+
+
+def block_count(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+@dataclass
+class BlockView:
+    """A flat float32 or int32 array seen as `nblocks` rows of `block_size` (the last one zero-padded)."""
+    flat: np.ndarray
+    block_size: int
+
+    def __post_init__(self):
+        if self.flat.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"allreduce supports float32 and int32 arrays, not {self.flat.dtype}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        n = self.flat.size
+        self.nblocks = block_count(n, self.block_size)
+        if self.nblocks >= MAX_BLOCKS:
+            raise ValueError(f"a tensor of {n} elements has too many blocks of {self.block_size}")
+        self.nfull = n // self.block_size
+        self.full = self.flat[: self.nfull * self.block_size].reshape(self.nfull, self.block_size)
+        self.tail = None
+        if self.nfull < self.nblocks:
+            self.tail = np.zeros((1, self.block_size), self.flat.dtype)
+            self.tail[0, : n - self.nfull * self.block_size] = self.flat[self.nfull * self.block_size:]
+
+    @property
+    def is_int(self) -> bool:
+        return self.flat.dtype == np.int32
+
+    def rows(self, blocks: np.ndarray) -> np.ndarray:
+        """The rows of the given blocks, as a new (len(blocks), block_size) array."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if self.tail is None or len(blocks) == 0 or blocks.max() < self.nfull:
+            return self.full[blocks]
+        out = np.empty((len(blocks), self.block_size), self.flat.dtype)
+        inner = blocks < self.nfull
+        out[inner] = self.full[blocks[inner]]
+        out[~inner] = self.tail
+        return out
+
+    def _per_block(self, rows_fn) -> np.ndarray:
+        parts = [rows_fn(self.full)] if self.nfull else []
+        if self.tail is not None:
+            parts.append(rows_fn(self.tail))
+        if not parts:
+            return np.zeros(0, self.flat.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def max_abs(self) -> np.ndarray:
+        """Largest magnitude per block (float32), or for int32 whether the block is non-zero (0/1).
+
+        max and -min instead of abs(): no temporary the size of the tensor.
+        """
+        if self.is_int:
+            return self._per_block(lambda r: (r.max(axis=1) != 0) | (r.min(axis=1) != 0)).astype(np.float32)
+        return self._per_block(lambda r: np.maximum(r.max(axis=1), -r.min(axis=1)))
+
+
+@dataclass
+class SparseBlocks:
+    """What a worker knows about its own tensor: which blocks are non-zero and their exponents."""
+    nonzero: np.ndarray    # bool per block
+    exponents: np.ndarray  # int32 per block: frexp exponent of max|x| (INT_EXP for int32 data)
+
+
+def find_nonzero_blocks(view: BlockView) -> SparseBlocks:
+    """Detect the non-zero blocks; reject NaN and infinity, which fixed point cannot carry."""
+    maxabs = view.max_abs()
+    if not view.is_int:
+        bad = ~np.isfinite(maxabs)
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"tensor has NaN or infinite values (first in block {b}, elements "
+                             f"{b * view.block_size}..{(b + 1) * view.block_size - 1}); "
+                             f"fixed-point aggregation cannot carry them")
+    nonzero = maxabs > 0
+    if view.is_int:
+        exps = np.full(view.nblocks, INT_EXP, np.int32)
+    else:
+        exps = block_exponents(maxabs)
+    return SparseBlocks(nonzero, exps)

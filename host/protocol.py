@@ -1,0 +1,210 @@
+"""The ZeroSum wire format (docs/protocol.md is the specification; this module is its code).
+
+Pure functions on bytes and numpy arrays: no sockets, no clocks. A datagram is a fixed 20-byte packet
+header, `entries` 16-byte entry headers, then one block of `block_size` big-endian int32 values for
+every entry whose HAS_DATA flag is set, in entry order. Headers come first and data last so that a
+whole datagram parses with two `numpy.frombuffer` calls, and so that a P4 parser sees fixed headers.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+VERSION = 1
+DEFAULT_PORT = 48879  # OmniReduce's ps_port (0xBEEF)
+
+# Packet types.
+JOIN = 1       # worker -> aggregator: register (job, rank) at this address
+JOIN_ACK = 2   # aggregator -> worker: bitmap of ranks joined so far, slots granted
+DATA = 3       # worker -> aggregator: one contribution per entry
+RESULT = 4     # aggregator -> workers: one completed round per entry
+STATUS = 5     # aggregator -> worker: a round is still waiting (answer to a duplicate contribution)
+
+TYPE_NAMES = {JOIN: "JOIN", JOIN_ACK: "JOIN_ACK", DATA: "DATA", RESULT: "RESULT", STATUS: "STATUS"}
+
+# Entry flags.
+HAS_DATA = 0x0001
+
+# Block-index sentinels (uint32).
+END = 0xFFFFFFFF    # "no further non-zero block in this column"
+BOOT = 0xFFFFFFFE   # the bootstrap round of a column: header-only, carries only next indices
+MAX_BLOCKS = BOOT   # block indices must be below this
+
+NO_EXP = -32768     # exponent of a zero block / of "no block" (int16 minimum)
+INT_EXP = 0x7FFF    # exponent field of raw int32 data (no scaling)
+
+MAX_WORLD = 32      # the per-slot contributor bitmap is 32 bits wide
+MAX_DATAGRAM = 65507  # the UDP payload limit over IPv4
+
+PACKET_HEADER = np.dtype([
+    ("version", "u1"), ("type", "u1"), ("job", ">u2"), ("rank", ">u2"), ("world", ">u2"),
+    ("epoch", ">u4"), ("tensor_blocks", ">u4"), ("block_size", ">u2"), ("entries", ">u2"),
+])
+ENTRY_HEADER = np.dtype([
+    ("slot", ">u2"), ("flags", ">u2"), ("block", ">u4"), ("next", ">u4"),
+    ("exp", ">i2"), ("next_exp", ">i2"),
+])
+WIRE_VALUE = np.dtype(">i4")
+JOIN_ACK_BODY = struct.Struct(">II")  # slots granted to this job, bitmap of joined ranks
+
+assert PACKET_HEADER.itemsize == 20 and ENTRY_HEADER.itemsize == 16
+PACKET_HEADER_SIZE = PACKET_HEADER.itemsize
+ENTRY_SIZE = ENTRY_HEADER.itemsize
+AGGREGATOR_RANK = 0xFFFF  # `rank` of packets the aggregator sends
+
+
+class ProtocolError(ValueError):
+    """A datagram that does not follow docs/protocol.md; `reason` is a short counter name."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Header:
+    type: int
+    job: int
+    rank: int
+    world: int
+    epoch: int = 0
+    tensor_blocks: int = 0
+    block_size: int = 0
+    entries: int = 0
+
+
+@dataclass
+class Datagram:
+    """A parsed datagram: its header, a structured array of entry headers, and the data rows.
+
+    `data[i]` belongs to the i-th entry that has HAS_DATA set; `data_row` maps entries to rows (-1: none).
+    The arrays are views into the received buffer: copy what must outlive it.
+    """
+    header: Header
+    entries: np.ndarray
+    data: np.ndarray
+    body: bytes = b""
+
+    @property
+    def data_row(self) -> np.ndarray:
+        has = (self.entries["flags"] & HAS_DATA) != 0
+        return np.where(has, np.cumsum(has) - 1, -1)
+
+
+def entries_array(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=ENTRY_HEADER)
+
+
+def datagram_size(entries: int, data_rows: int, block_size: int) -> int:
+    return PACKET_HEADER_SIZE + entries * ENTRY_SIZE + data_rows * block_size * WIRE_VALUE.itemsize
+
+
+def max_entries(max_bytes: int, block_size: int, with_data: bool = True) -> int:
+    """How many entries fit in a datagram of at most `max_bytes` bytes."""
+    per_entry = ENTRY_SIZE + (block_size * WIRE_VALUE.itemsize if with_data else 0)
+    n = (min(max_bytes, MAX_DATAGRAM) - PACKET_HEADER_SIZE) // per_entry
+    if n < 1:
+        raise ValueError(f"a datagram of {max_bytes} bytes cannot carry one block of {block_size} values")
+    return min(n, 0xFFFF)
+
+
+def encode_into(buf: memoryview | bytearray, header: Header, entries: np.ndarray,
+                data: np.ndarray | None = None) -> int:
+    """Write a datagram into `buf` (reused between sends); return its length.
+
+    `data` holds one row per entry with HAS_DATA, in entry order, in any integer dtype: it is
+    converted to big-endian int32 while being copied in.
+    """
+    n_entries = len(entries)
+    rows = 0 if data is None else len(data)
+    size = datagram_size(n_entries, rows, header.block_size)
+    if size > len(buf):
+        raise ValueError(f"datagram of {size} bytes does not fit the {len(buf)}-byte buffer")
+    h = np.frombuffer(buf, dtype=PACKET_HEADER, count=1)
+    h[0] = (VERSION, header.type, header.job, header.rank, header.world, header.epoch,
+            header.tensor_blocks, header.block_size, n_entries)
+    np.frombuffer(buf, dtype=ENTRY_HEADER, count=n_entries, offset=PACKET_HEADER_SIZE)[:] = entries
+    if rows:
+        out = np.frombuffer(buf, dtype=WIRE_VALUE, count=rows * header.block_size,
+                            offset=PACKET_HEADER_SIZE + n_entries * ENTRY_SIZE)
+        out.reshape(rows, header.block_size)[:] = data
+    return size
+
+
+def encode(header: Header, entries: np.ndarray | None = None, data: np.ndarray | None = None,
+           body: bytes = b"") -> bytes:
+    """Encode a datagram into new bytes (for control packets and tests; the data path uses encode_into)."""
+    if entries is None:
+        entries = entries_array(0)
+    rows = 0 if data is None else len(data)
+    buf = bytearray(datagram_size(len(entries), rows, header.block_size))
+    encode_into(buf, header, entries, data)
+    return bytes(buf) + body
+
+
+def decode(buf, length: int | None = None) -> Datagram:
+    """Parse and validate a datagram; raise ProtocolError (with a counter name) if it is malformed.
+
+    Checks everything that can be checked without state: length against the header's counts, version,
+    type, block size, flags, exponents and sentinels. The arrays returned are views into `buf`.
+    """
+    mv = memoryview(buf)[: len(buf) if length is None else length]
+    n = len(mv)
+    if n < PACKET_HEADER_SIZE:
+        raise ProtocolError("short", f"{n} bytes is shorter than the {PACKET_HEADER_SIZE}-byte header")
+    h = np.frombuffer(mv, dtype=PACKET_HEADER, count=1)[0]
+    if h["version"] != VERSION:
+        raise ProtocolError("version", f"unknown protocol version {int(h['version'])}")
+    ptype = int(h["type"])
+    if ptype not in TYPE_NAMES:
+        raise ProtocolError("type", f"unknown packet type {ptype}")
+    header = Header(ptype, int(h["job"]), int(h["rank"]), int(h["world"]), int(h["epoch"]),
+                    int(h["tensor_blocks"]), int(h["block_size"]), int(h["entries"]))
+    if ptype in (JOIN, JOIN_ACK):
+        body = bytes(mv[PACKET_HEADER_SIZE:])
+        expect = JOIN_ACK_BODY.size if ptype == JOIN_ACK else 0
+        if header.entries or len(body) != expect:
+            raise ProtocolError("length", f"{TYPE_NAMES[ptype]} must have no entries and a "
+                                          f"{expect}-byte body, got {header.entries} entries, {len(body)} bytes")
+        return Datagram(header, entries_array(0), np.zeros((0, 0), WIRE_VALUE), body)
+    if header.block_size == 0:
+        raise ProtocolError("length", "block_size is 0")
+    end_of_headers = PACKET_HEADER_SIZE + header.entries * ENTRY_SIZE
+    if n < end_of_headers:
+        raise ProtocolError("length", f"{header.entries} entries need {end_of_headers} bytes, got {n}")
+    entries = np.frombuffer(mv, dtype=ENTRY_HEADER, count=header.entries, offset=PACKET_HEADER_SIZE)
+    flags = entries["flags"]
+    if np.any(flags & ~np.uint16(HAS_DATA)):
+        raise ProtocolError("flags", "unknown entry flags")
+    rows = int(np.count_nonzero(flags & HAS_DATA))
+    expect = end_of_headers + rows * header.block_size * WIRE_VALUE.itemsize
+    if n != expect:
+        raise ProtocolError("length", f"{header.entries} entries with {rows} data blocks of "
+                                      f"{header.block_size} values need {expect} bytes, got {n}")
+    data = np.frombuffer(mv, dtype=WIRE_VALUE, count=rows * header.block_size,
+                         offset=end_of_headers).reshape(rows, header.block_size)
+    if ptype in (DATA, RESULT):
+        _check_entries(header, entries)
+    return Datagram(header, entries, data)
+
+
+def _check_entries(header: Header, entries: np.ndarray) -> None:
+    block = entries["block"]
+    nxt = entries["next"]
+    limit = header.tensor_blocks
+    if header.tensor_blocks > MAX_BLOCKS:
+        raise ProtocolError("range", f"tensor of {header.tensor_blocks} blocks is too large")
+    if np.any((block != BOOT) & (block >= limit)):
+        raise ProtocolError("range", f"block index beyond the tensor's {limit} blocks")
+    if np.any((nxt != END) & ((nxt >= limit) | ((block != BOOT) & (nxt <= block)))):
+        raise ProtocolError("range", "next index must be a later block of the tensor or END")
+    has = (entries["flags"] & HAS_DATA) != 0
+    if np.any(has & (block == BOOT)):
+        raise ProtocolError("flags", "a bootstrap entry carries no data")
+    exp = entries["exp"]
+    if np.any(has & (exp == NO_EXP)):
+        raise ProtocolError("exponent", "a data entry needs an exponent")
+    if len(np.unique(entries["slot"])) != len(entries):
+        raise ProtocolError("duplicate", "a datagram names each slot at most once")

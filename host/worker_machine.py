@@ -1,0 +1,258 @@
+"""The worker's side of one allreduce, as a pure state machine (no sockets, no clocks).
+
+Drive it with `start(now)`, then `receive(aggregator, datagram, now)` for every datagram from an
+aggregator and `poll(now)` when `deadline` has passed; each returns the datagrams to send as
+(aggregator index, bytes). `done` turns true when every column has reached END; `output` then holds
+the sum. The caller supplies `now` (seconds, monotonic), so tests can drive time.
+
+Per column the worker keeps the block of the current round and its agreed exponent, and a pointer to
+its own next non-zero block in the column. In each round it sends one entry per column: the data of the
+round's block if it is its own next non-zero block, otherwise a header-only entry; either way carrying
+its next non-zero block index after the round's block (docs/protocol.md, "A round").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import protocol as P
+from .blocks import BlockView, SparseBlocks
+from .errors import ProtocolViolation, ZeroSumTimeout
+from .fixedpoint import dequantize, quantize
+from .layout import Layout
+
+
+@dataclass
+class WorkerConfig:
+    rank: int
+    world: int
+    job: int
+    max_datagram: int = P.MAX_DATAGRAM
+    rto: float = 0.02        # first retransmission timeout per column (doubles up to max_rto)
+    max_rto: float = 0.5
+    timeout: float = 30.0    # no progress for this long: give up with an error naming who is missing
+    aggregator_names: list[str] = field(default_factory=list)  # for error messages only
+
+
+class AllreduceMachine:
+    def __init__(self, config: WorkerConfig, epoch: int, view: BlockView, sparse: SparseBlocks,
+                 layout: Layout, output: np.ndarray):
+        self.cfg = config
+        self.epoch = epoch
+        self.view = view
+        self.layout = layout
+        self.B = view.block_size
+        self.is_int = view.is_int
+        # output: (nblocks, B) array of the input dtype, zero-filled; blocks nobody sends stay zero.
+        self.output = output
+        self.exp_of = np.append(sparse.exponents, P.NO_EXP)   # the last entry stands for END
+        self.header = P.Header(P.DATA, config.job, config.rank, config.world, epoch,
+                               layout.nblocks, self.B, 0)
+        self.max_entries = P.max_entries(config.max_datagram, self.B)
+
+        S = layout.columns
+        # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of seq.
+        nz = np.flatnonzero(sparse.nonzero)
+        cols = layout.column_of_block(nz)
+        order = np.argsort(cols, kind="stable")
+        self.seq = np.append(nz[order], P.END).astype(np.int64)
+        starts = np.searchsorted(cols[order], np.arange(S + 1))
+        self.mine_pos = starts[:-1].astype(np.int64)
+        self.col_stop = starts[1:].astype(np.int64)
+
+        self.round_block = np.full(S, P.BOOT, np.int64)
+        self.round_exp = np.full(S, P.NO_EXP, np.int64)
+        self.deadline = np.full(S, np.inf)
+        self.rto = np.full(S, config.rto)
+        self.waiting_for = np.zeros(S, np.int64)   # bitmap from the last STATUS per column (ranks heard)
+        self.status_seen = np.zeros(S, bool)
+        self.last_progress = None
+        self.bytes_sent = 0
+        self.datagrams_sent = 0
+        self.retransmitted = 0
+        self.drops: dict[str, int] = {}
+
+    # -- queries ------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return bool(np.all(self.round_block == P.END))
+
+    @property
+    def deadline_at(self) -> float:
+        d = float(self.deadline.min()) if len(self.deadline) else np.inf
+        if self.last_progress is not None and not self.done:
+            d = min(d, self.last_progress + self.cfg.timeout)
+        return d
+
+    def _mine(self, cols: np.ndarray, ahead: int = 0) -> np.ndarray:
+        pos = self.mine_pos[cols] + ahead
+        return self.seq[np.where(pos < self.col_stop[cols], pos, len(self.seq) - 1)]
+
+    def _exp(self, blocks: np.ndarray) -> np.ndarray:
+        return self.exp_of[np.where(blocks != P.END, blocks, len(self.exp_of) - 1)]
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    # -- events -------------------------------------------------------------------------------------
+    def start(self, now: float) -> list[tuple[int, bytes]]:
+        self.last_progress = now
+        return self._send(np.arange(self.layout.columns), now)
+
+    def poll(self, now: float) -> list[tuple[int, bytes]]:
+        """Retransmit the columns whose timer expired; raise ZeroSumTimeout when progress stopped."""
+        if self.done:
+            return []
+        if now - self.last_progress >= self.cfg.timeout:
+            raise ZeroSumTimeout(self._timeout_message(now))
+        due = np.flatnonzero(self.deadline <= now)
+        if len(due) == 0:
+            return []
+        self.rto[due] = np.minimum(self.rto[due] * 2, self.cfg.max_rto)
+        self.retransmitted += len(due)
+        return self._send(due, now)
+
+    def receive(self, aggregator: int, datagram, now: float) -> list[tuple[int, bytes]]:
+        try:
+            d = P.decode(datagram)
+        except P.ProtocolError as e:
+            self._drop(e.reason)
+            return []
+        h = d.header
+        if h.job != self.cfg.job or h.rank != P.AGGREGATOR_RANK:
+            self._drop("foreign")
+            return []
+        if h.type == P.JOIN_ACK:
+            return []          # a late answer to a join: harmless
+        if h.epoch != self.epoch:
+            self._drop("stale_epoch")
+            return []
+        if h.tensor_blocks != self.layout.nblocks or h.block_size != self.B:
+            self._drop("geometry")
+            return []
+        slots = d.entries["slot"].astype(np.int64)
+        if np.any(slots >= self.layout.slots_used(aggregator)):
+            self._drop("range")
+            return []
+        cols = self.layout.column_of(aggregator, slots)
+        if h.type == P.STATUS:
+            current = d.entries["block"] == self.round_block[cols]
+            self.waiting_for[cols[current]] = d.entries["next"][current]
+            self.status_seen[cols[current]] = True
+            return []
+        if h.type != P.RESULT:
+            self._drop("type")
+            return []
+        return self._on_result(d, cols, now)
+
+    def _on_result(self, d: P.Datagram, cols: np.ndarray, now: float) -> list[tuple[int, bytes]]:
+        e = d.entries
+        block = e["block"].astype(np.int64)
+        fresh = block == self.round_block[cols]
+        if not fresh.all():
+            self._drop("duplicate_result", int(np.count_nonzero(~fresh)))
+            if not fresh.any():
+                return []
+            e, cols, block = e[fresh], cols[fresh], block[fresh]
+            rows = d.data_row[fresh]
+        else:
+            rows = d.data_row
+        has = rows >= 0
+        mine = self._mine(cols)
+        sent_data = mine == block
+        exp = e["exp"].astype(np.int64)
+        if np.any(sent_data & ~has):
+            raise ProtocolViolation(f"aggregator {self._agg_name(cols[0])} returned no data for a block "
+                                    f"this worker contributed (block {int(block[sent_data & ~has][0])})")
+        if np.any(has & (exp != self.round_exp[cols])):
+            raise ProtocolViolation("result exponent differs from the agreed exponent of its block")
+        nxt = e["next"].astype(np.int64)
+        next_exp = e["next_exp"].astype(np.int64)
+        if np.any((nxt != P.END) & ((next_exp == P.INT_EXP) != self.is_int)):
+            raise ProtocolViolation("workers disagree on the dtype of this allreduce "
+                                    "(float32 and int32 contributions to the same blocks)")
+        if has.any():
+            sums = d.data[rows[has]]
+            if self.is_int:
+                self.output[block[has]] = sums
+            else:
+                self.output[block[has]] = dequantize(sums, exp[has], self.cfg.world)
+        self.mine_pos[cols[sent_data]] += 1
+        if np.any(nxt > self._mine(cols)):
+            raise ProtocolViolation("aggregator skipped a block this worker still has to send")
+        self.round_block[cols] = nxt
+        self.round_exp[cols] = next_exp
+        self.rto[cols] = self.cfg.rto
+        self.status_seen[cols] = False
+        self.last_progress = now
+        active = cols[nxt != P.END]
+        self.deadline[cols] = np.inf
+        return self._send(active, now) if len(active) else []
+
+    # -- building datagrams -------------------------------------------------------------------------
+    def _send(self, cols: np.ndarray, now: float) -> list[tuple[int, bytes]]:
+        """Build this round's entries for `cols`, fused into datagrams per aggregator."""
+        self.deadline[cols] = now + self.rto[cols]
+        agg = self.layout.aggregator_of(cols)
+        order = np.lexsort((cols, agg))
+        cols, agg = cols[order], agg[order]
+        block = self.round_block[cols]
+        mine = self._mine(cols)
+        has = mine == block
+        nxt = np.where(has, self._mine(cols, ahead=1), mine)
+        ent = P.entries_array(len(cols))
+        ent["slot"] = self.layout.slot_of(cols)
+        ent["flags"] = np.where(has, P.HAS_DATA, 0)
+        ent["block"] = block
+        ent["next"] = nxt
+        ent["exp"] = self.round_exp[cols]
+        ent["next_exp"] = self._exp(nxt)
+        out = []
+        bounds = np.flatnonzero(np.diff(agg)) + 1
+        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(cols)]):
+            for s in range(lo, hi, self.max_entries):
+                t = min(s + self.max_entries, hi)
+                out.append((int(agg[s]), self._encode(ent[s:t], block[s:t][has[s:t]])))
+        return out
+
+    def _encode(self, ent: np.ndarray, data_blocks: np.ndarray) -> bytes:
+        buf = bytearray(P.datagram_size(len(ent), len(data_blocks), self.B))
+        n = P.encode_into(buf, self.header, ent)
+        if len(data_blocks):
+            wire = np.frombuffer(buf, P.WIRE_VALUE, offset=n).reshape(len(data_blocks), self.B)
+            rows = self.view.rows(data_blocks)
+            if self.is_int:
+                wire[...] = rows
+            else:
+                flags = ent["flags"] != 0
+                quantize(rows, ent["exp"][flags], self.cfg.world, out=wire)
+        self.bytes_sent += len(buf)
+        self.datagrams_sent += 1
+        return bytes(buf)
+
+    # -- errors -------------------------------------------------------------------------------------
+    def _agg_name(self, col) -> str:
+        a = int(self.layout.aggregator_of(np.int64(col)))
+        names = self.cfg.aggregator_names
+        return names[a] if a < len(names) else f"#{a}"
+
+    def _timeout_message(self, now: float) -> str:
+        pending = np.flatnonzero(self.round_block != P.END)
+        heard = self.status_seen[pending]
+        head = (f"allreduce {self.epoch} of rank {self.cfg.rank} made no progress for "
+                f"{now - self.last_progress:.1f} s ({len(pending)} of {self.layout.columns} columns unfinished)")
+        if heard.any():
+            everyone = (1 << self.cfg.world) - 1
+            missing = 0
+            for bitmap in self.waiting_for[pending[heard]]:
+                missing |= everyone & ~int(bitmap)
+            missing &= ~(1 << self.cfg.rank)
+            ranks = [r for r in range(self.cfg.world) if missing >> r & 1]
+            if ranks:
+                return (f"{head}: waiting for rank{'s' if len(ranks) > 1 else ''} "
+                        f"{', '.join(map(str, ranks))} (the aggregator has not heard from "
+                        f"{'them' if len(ranks) > 1 else 'it'}; is it dead?)")
+        names = sorted({self._agg_name(c) for c in pending[~heard]} or {self._agg_name(pending[0])})
+        return (f"{head}: no answer from aggregator {', '.join(names)} "
+                f"(is it running, and started with --workers {self.cfg.world}?)")

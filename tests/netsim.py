@@ -1,0 +1,76 @@
+"""An in-memory network that drives the pure state machines: loss, duplication and reordering."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from zerosum.aggregator_machine import AggregatorMachine, new_nonce
+from zerosum.blocks import BlockView, find_nonzero_blocks
+from zerosum.layout import Layout
+from zerosum import protocol as P
+from zerosum.worker_machine import AllreduceMachine, WorkerConfig
+
+
+def join_all(aggs: list[AggregatorMachine], world: int, block_size: int) -> int:
+    """Register every rank with every aggregator; return the slots granted (the minimum)."""
+    granted = []
+    for a, agg in enumerate(aggs):
+        for r in range(world):
+            out = agg.receive(P.encode(P.Header(P.JOIN, agg.state.job, r, world, new_nonce(), 0, block_size)),
+                              ("w", r))
+            (dest, ack), = out
+            slots, bitmap = P.JOIN_ACK_BODY.unpack(P.decode(ack).body)
+        assert bitmap == (1 << world) - 1
+        granted.append(slots)
+    return min(granted)
+
+
+def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0, seed=0,
+        max_datagram=P.MAX_DATAGRAM, max_steps=1_000_000, slots=None):
+    """Run one allreduce of `arrays` (one per rank) through `aggs`; return each rank's output."""
+    rng = random.Random(seed)
+    world = len(arrays)
+    granted = join_all(aggs, world, block_size) if slots is None else slots
+    machines = []
+    for r, x in enumerate(arrays):
+        view = BlockView(np.ascontiguousarray(x).reshape(-1), block_size)
+        layout = Layout(len(aggs), granted, view.nblocks)
+        cfg = WorkerConfig(rank=r, world=world, job=aggs[0].state.job, max_datagram=max_datagram,
+                           timeout=1e9)
+        out = np.zeros((view.nblocks, block_size), x.dtype)
+        machines.append(AllreduceMachine(cfg, epoch, view, find_nonzero_blocks(view), layout, out))
+    now = 0.0
+    queue = []  # (destination kind, index, from, bytes)
+
+    def post(kind, idx, src, data):
+        if rng.random() < loss:
+            return
+        queue.append((kind, idx, src, data))
+        if rng.random() < dup:
+            queue.append((kind, idx, src, data))
+
+    for r, m in enumerate(machines):
+        for a, data in m.start(now):
+            post("agg", a, r, data)
+    steps = 0
+    while not all(m.done for m in machines):
+        steps += 1
+        assert steps < max_steps, "simulation did not converge"
+        if not queue:
+            now = min(m.deadline_at for m in machines if not m.done)
+            for r, m in enumerate(machines):
+                for a, data in m.poll(now):
+                    post("agg", a, r, data)
+            continue
+        i = rng.randrange(len(queue)) if rng.random() < reorder else 0
+        kind, idx, src, data = queue.pop(i)
+        if kind == "agg":
+            for dests, reply in aggs[idx].receive(data, ("w", src)):
+                for _, r in dests:
+                    post("worker", r, idx, reply)
+        else:
+            for a, d2 in machines[idx].receive(src, data, now):
+                post("agg", a, idx, d2)
+    n = arrays[0].size
+    return [m.output.reshape(-1)[:n].reshape(arrays[0].shape) for m in machines], machines

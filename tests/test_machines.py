@@ -1,0 +1,186 @@
+"""The pure worker and aggregator state machines, driven through an in-memory network."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from netsim import join_all, run
+from zerosum import protocol as P
+from zerosum.aggregator_machine import AggregatorMachine
+from zerosum.reference import reference_allreduce
+
+
+def sparse_arrays(rng, world, n, block_size, density, dtype=np.float32):
+    nblocks = -(-n // block_size)
+    out = []
+    for _ in range(world):
+        if dtype == np.int32:
+            x = rng.integers(-1000, 1000, n).astype(np.int32)
+        else:
+            x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32)
+        keep = np.repeat(rng.random(nblocks) < density, block_size)[:n]
+        x[~keep] = 0
+        out.append(x)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=st.integers(1, 8), n=st.integers(0, 3000), block_size=st.sampled_from([1, 4, 16, 64]),
+       density=st.sampled_from([0.0, 0.05, 0.3, 1.0]), naggs=st.integers(1, 3), slots=st.integers(1, 12),
+       loss=st.sampled_from([0.0, 0.05, 0.3]), dup=st.sampled_from([0.0, 0.2]),
+       reorder=st.sampled_from([0.0, 0.5]), int_data=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_streaming_matches_reference(world, n, block_size, density, naggs, slots, loss, dup, reorder,
+                                     int_data, seed):
+    rng = np.random.default_rng(seed)
+    dtype = np.int32 if int_data else np.float32
+    arrays = sparse_arrays(rng, world, n, block_size, density, dtype)
+    aggs = [AggregatorMachine(1, world, slots=slots) for _ in range(naggs)]
+    max_datagram = int(rng.choice([P.MAX_DATAGRAM, P.datagram_size(3, 3, block_size)]))
+    outs, _ = run(arrays, aggs, block_size=block_size, loss=loss, dup=dup, reorder=reorder, seed=seed,
+                  max_datagram=max_datagram)
+    ref = reference_allreduce(arrays, block_size)
+    for o in outs:
+        assert o.dtype == dtype
+        assert np.array_equal(o, ref)
+
+
+def test_only_nonzero_blocks_carry_data():
+    rng = np.random.default_rng(3)
+    arrays = sparse_arrays(rng, 4, 256 * 400, 256, 0.02)
+    aggs = [AggregatorMachine(1, 4, slots=64)]
+    outs, machines = run(arrays, aggs)
+    for x, m in zip(arrays, machines):
+        nz_blocks = int(np.count_nonzero(np.abs(x.reshape(-1, 256)).max(axis=1)))
+        data_bytes = nz_blocks * 256 * 4
+        # every non-zero block once, plus 16-byte entries and 20-byte headers; far below the dense 400 KB
+        assert data_bytes <= m.bytes_sent < data_bytes + 40_000
+    assert np.array_equal(outs[0], reference_allreduce(arrays))
+
+
+def test_consecutive_allreduces_reuse_slots_and_survive_loss():
+    rng = np.random.default_rng(5)
+    aggs = [AggregatorMachine(1, 3, slots=8), AggregatorMachine(1, 3, slots=8)]
+    granted = join_all(aggs, 3, 16)
+    for epoch in range(1, 6):
+        arrays = sparse_arrays(rng, 3, int(rng.integers(1, 2000)), 16, 0.3)
+        outs, _ = run(arrays, aggs, block_size=16, epoch=epoch, loss=0.2, dup=0.2, reorder=0.3,
+                      seed=epoch, slots=granted)
+        ref = reference_allreduce(arrays, 16)
+        assert all(np.array_equal(o, ref) for o in outs)
+
+
+def test_result_is_bit_identical_on_every_worker_and_run():
+    rng = np.random.default_rng(9)
+    arrays = sparse_arrays(rng, 5, 10_000, 64, 0.5)
+    results = []
+    for seed in range(3):
+        outs, _ = run(arrays, [AggregatorMachine(1, 5, slots=7)], block_size=64, loss=0.1, reorder=0.5,
+                      seed=seed)
+        results += outs
+    assert all(r.tobytes() == results[0].tobytes() for r in results)
+
+
+def test_two_aggregators_equal_one():
+    rng = np.random.default_rng(11)
+    arrays = sparse_arrays(rng, 4, 50_000, 256, 0.2)
+    one, _ = run(arrays, [AggregatorMachine(1, 4, slots=16)])
+    two, _ = run(arrays, [AggregatorMachine(1, 4, slots=16) for _ in range(2)])
+    assert one[0].tobytes() == two[0].tobytes()
+
+
+# -- the aggregator against bad input ---------------------------------------------------------------
+
+def _member_agg(world=2, B=4):
+    agg = AggregatorMachine(7, world, slots=4)
+    join_all([agg], world, B)
+    return agg
+
+
+def _data(rank, entries, data=None, job=7, world=2, B=4, epoch=1, blocks=10):
+    return P.encode(P.Header(P.DATA, job, rank, world, epoch, blocks, B, len(entries)), entries, data)
+
+
+def _entry(slot, block, nxt, exp=P.NO_EXP, next_exp=P.NO_EXP, data=False):
+    e = P.entries_array(1)
+    e[0] = (slot, P.HAS_DATA if data else 0, block, nxt, exp, next_exp)
+    return e
+
+
+def test_aggregator_counts_and_drops_bad_input():
+    agg = _member_agg()
+    assert agg.receive(b"\x00" * 7, ("w", 0)) == []
+    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1), job=8), ("w", 0)) == []
+    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("x", 9)) == []     # wrong address
+    assert agg.receive(_data(5, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 5)) == []     # not a member
+    assert agg.receive(_data(0, _entry(9, P.BOOT, 2, next_exp=1)), ("w", 0)) == []     # slot out of range
+    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1), world=3), ("w", 0)) == []
+    c = agg.counters
+    assert (c["drop_short"], c["drop_foreign_job"], c["drop_not_member"], c["drop_range"],
+            c["drop_geometry"]) == (1, 1, 2, 1, 1)
+    assert (agg.state.bitmap == 0).all()
+
+
+def test_aggregator_round_duplicate_and_shadow():
+    agg = _member_agg()
+    # bootstrap: rank 0 has block 2 next (exp 1), rank 1 has block 6 (exp 3)
+    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0)) == []
+    (dest, status), = agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0))  # duplicate
+    st_ = P.decode(status)
+    assert dest == [("w", 0)] and st_.header.type == P.STATUS and st_.entries["next"][0] == 0b01
+    (dest, res), = agg.receive(_data(1, _entry(0, P.BOOT, 6, next_exp=3)), ("w", 1))
+    r = P.decode(res)
+    assert dest == [("w", 0), ("w", 1)]
+    assert (r.entries["block"][0], r.entries["next"][0], r.entries["next_exp"][0]) == (P.BOOT, 2, 1)
+    # round for block 2: only rank 0 has data, wrong exponent first -> dropped, not added
+    row = np.array([[1, -2, 3, 4]], np.int32)
+    assert agg.receive(_data(0, _entry(0, 2, 6, exp=5, next_exp=2, data=True), row), ("w", 0)) == []
+    assert agg.counters["drop_mismatch"] == 1
+    assert agg.receive(_data(0, _entry(0, 2, 6, exp=1, next_exp=2, data=True), row), ("w", 0)) == []
+    (dest, res), = agg.receive(_data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1))
+    r = P.decode(res)
+    assert np.array_equal(r.data, row) and r.entries["next"][0] == 6 and r.entries["next_exp"][0] == 3
+    # a late retransmission of the completed round gets the shadow copy, to the sender alone
+    (dest, res2), = agg.receive(_data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1))
+    assert dest == [("w", 1)] and res2 == res
+    # an entry for a block that is neither current nor previous is stale
+    assert agg.receive(_data(1, _entry(0, 4, 6, exp=1)), ("w", 1)) == []
+    assert agg.counters["drop_stale"] == 1
+
+
+def test_join_rules():
+    agg = AggregatorMachine(7, 2, slots=4)
+    j = lambda rank, nonce, world=2, B=4: P.encode(P.Header(P.JOIN, 7, rank, world, nonce, 0, B))
+    assert agg.receive(j(0, 1, world=3), "a") == []            # wrong world size
+    assert agg.receive(j(2, 1), "a") == []                     # rank out of range
+    (_, ack), = agg.receive(j(0, 1), "a")
+    assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b01)
+    assert agg.receive(j(1, 2, B=8), "b") == []                # block size differs from the job's
+    (_, ack), = agg.receive(j(1, 2), "b")
+    assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b11)
+    (_, ack), = agg.receive(j(0, 3), "c")                      # rank 0 restarted: a new run
+    assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b01)
+    assert agg.counters["job_restarts"] == 1
+
+
+def test_worker_times_out_naming_the_missing_rank():
+    from zerosum.blocks import BlockView, find_nonzero_blocks
+    from zerosum.errors import ZeroSumTimeout
+    from zerosum.layout import Layout
+    from zerosum.worker_machine import AllreduceMachine, WorkerConfig
+    agg = AggregatorMachine(1, 3, slots=4)
+    join_all([agg], 3, 4)
+    x = np.ones(16, np.float32)
+    view = BlockView(x, 4)
+    m = AllreduceMachine(WorkerConfig(0, 3, 1, timeout=1.0), 1, view, find_nonzero_blocks(view),
+                         Layout(1, 4, view.nblocks), np.zeros((4, 4), np.float32))
+    for _, d in m.start(0.0):
+        agg.receive(d, ("w", 0))
+    # rank 1 contributes, rank 2 never does
+    agg.receive(_data(1, P.entries_array(0), job=1, world=3, epoch=1, blocks=4), ("w", 1))
+    t = 0.0
+    with pytest.raises(ZeroSumTimeout, match="waiting for ranks 1, 2"):
+        while True:
+            t = m.deadline_at
+            for _, d in m.poll(t):
+                for dest, reply in agg.receive(d, ("w", 0)):
+                    m.receive(0, reply, t)
+    assert t >= 1.0
