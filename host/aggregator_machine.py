@@ -79,7 +79,7 @@ class AggregatorMachine:
         self.counters: dict[str, int] = {}
         self.results_sent = 0
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def _header(self, ptype: int, epoch: int = 0, tensor_blocks: int = 0, entries: int = 0) -> P.Header:
@@ -90,48 +90,48 @@ class AggregatorMachine:
         try:
             d = P.decode(datagram)
         except P.ProtocolError as e:
-            self._count(f"drop_{e.reason}")
+            self.count(f"drop_{e.reason}")
             return []
         h, s = d.header, self.state
         if h.job != s.job:
-            self._count("drop_foreign_job")
+            self.count("drop_foreign_job")
             return []
         if h.type == P.JOIN:
             return self._join(h, source)
         if h.type != P.DATA:
-            self._count("drop_type")
+            self.count("drop_type")
             return []
         member = s.members.get(h.rank)
         if member is None or member.address != source:
-            self._count("drop_not_member")
+            self.count("drop_not_member")
             return []
         if h.world != s.world or h.block_size != s.block_size:
-            self._count("drop_geometry")
+            self.count("drop_geometry")
             return []
-        self._count("datagrams")
+        self.count("datagrams")
         return self._data(d, source)
 
     # -- membership ---------------------------------------------------------------------------------
     def _join(self, h: P.Header, source) -> list[tuple[list, bytes]]:
         s = self.state
         if h.world != s.world or h.rank >= s.world:
-            self._count("drop_join_world")
+            self.count("drop_join_world")
             return []
         if not 1 <= h.block_size <= self.max_block_size:
-            self._count("drop_join_block_size")
+            self.count("drop_join_block_size")
             return []
         member = s.members.get(h.rank)
         if member is not None and member.nonce != h.epoch:
             # A new incarnation of a registered rank: a new run of the job starts from scratch.
-            self._count("job_restarts")
+            self.count("job_restarts")
             s.members.clear()
         if s.members and h.block_size != s.block_size:
-            self._count("drop_join_block_size")
+            self.count("drop_join_block_size")
             return []
         if not s.members:
             s.allocate(h.block_size)
         s.members[h.rank] = Member(source, h.epoch)
-        self._count("joins")
+        self.count("joins")
         ack = P.encode(self._header(P.JOIN_ACK, epoch=h.epoch), body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap))
         return [([source], ack)]
 
@@ -141,7 +141,7 @@ class AggregatorMachine:
         e = d.entries
         slot = e["slot"].astype(np.int64)
         if np.any(slot >= s.slots):
-            self._count("drop_range")
+            self.count("drop_range")
             return []
         block = e["block"].astype(np.int64)
         epoch = h.epoch
@@ -169,24 +169,24 @@ class AggregatorMachine:
         previous = ~current & (s.prev_epoch[slot] == epoch) & (s.prev_block[slot] == block)
         stale = ~(current | previous)
         if stale.any():
-            self._count("drop_stale", int(np.count_nonzero(stale)))
+            self.count("drop_stale", int(np.count_nonzero(stale)))
 
         rows = d.data_row
         has = rows >= 0
         bad = fresh & ((has & (e["exp"] != s.slot_exp[slot])) | (s.slot_tensor_blocks[slot] != h.tensor_blocks))
         if bad.any():
             # The worker disagrees with the slot about the block's exponent or the tensor: never add it.
-            self._count("drop_mismatch", int(np.count_nonzero(bad)))
+            self.count("drop_mismatch", int(np.count_nonzero(bad)))
             fresh &= ~bad
 
         out: list[tuple[list, bytes]] = []
         if fresh.any():
             out += self._accumulate(d, slot[fresh], rows[fresh], e[fresh], rank_bit)
         if dup.any():
-            self._count("duplicates", int(np.count_nonzero(dup)))
+            self.count("duplicates", int(np.count_nonzero(dup)))
             out.append(([source], self._status(slot[dup], epoch, h.tensor_blocks)))
         if previous.any():
-            self._count("retransmissions_answered", int(np.count_nonzero(previous)))
+            self.count("retransmissions_answered", int(np.count_nonzero(previous)))
             out.append(([source], self._shadow_result(slot[previous], epoch, h.tensor_blocks)))
         return out
 
@@ -225,7 +225,7 @@ class AggregatorMachine:
         s.min_next[done] = P.END
         s.min_next_exp[done] = P.NO_EXP
         s.has_data[done] = False
-        self._count("rounds", len(done))
+        self.count("rounds", len(done))
         addresses = [m.address for _, m in sorted(s.members.items())]
         return [(addresses, self._shadow_result(done, d.header.epoch, d.header.tensor_blocks))]
 

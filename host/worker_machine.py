@@ -29,8 +29,9 @@ class WorkerConfig:
     world: int
     job: int
     max_datagram: int = P.MAX_DATAGRAM
-    rto: float = 0.02        # first retransmission timeout per column (doubles up to max_rto)
-    max_rto: float = 0.5
+    rto: float = 0.05        # retransmission timeout before any round trip was measured
+    min_rto: float = 0.01    # the adaptive timeout (TCP's srtt + 4 rttvar) stays within these
+    max_rto: float = 1.0
     timeout: float = 30.0    # no progress for this long: give up with an error naming who is missing
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
 
@@ -65,6 +66,10 @@ class AllreduceMachine:
         self.round_exp = np.full(S, P.NO_EXP, np.int64)
         self.deadline = np.full(S, np.inf)
         self.rto = np.full(S, config.rto)
+        self.sent_at = np.full(S, np.nan)          # first transmission of the round (NaN once retransmitted)
+        self.srtt = None
+        self.rttvar = 0.0
+        self.base_rto = config.rto
         self.waiting_for = np.zeros(S, np.int64)   # bitmap from the last STATUS per column (ranks heard)
         self.status_seen = np.zeros(S, bool)
         self.last_progress = None
@@ -111,7 +116,9 @@ class AllreduceMachine:
             return []
         self.rto[due] = np.minimum(self.rto[due] * 2, self.cfg.max_rto)
         self.retransmitted += len(due)
-        return self._send(due, now)
+        out = self._send(due, now)
+        self.sent_at[due] = np.nan    # Karn's rule: no round-trip samples from retransmitted rounds
+        return out
 
     def receive(self, aggregator: int, datagram, now: float) -> list[tuple[int, bytes]]:
         try:
@@ -183,17 +190,32 @@ class AllreduceMachine:
             raise ProtocolViolation("aggregator skipped a block this worker still has to send")
         self.round_block[cols] = nxt
         self.round_exp[cols] = next_exp
-        self.rto[cols] = self.cfg.rto
+        self._measure(now - self.sent_at[cols])
+        self.rto[cols] = self.base_rto
         self.status_seen[cols] = False
         self.last_progress = now
         active = cols[nxt != P.END]
         self.deadline[cols] = np.inf
         return self._send(active, now) if len(active) else []
 
+    def _measure(self, samples: np.ndarray) -> None:
+        """Adapt the retransmission timeout to the round-trip times seen (RFC 6298)."""
+        samples = samples[~np.isnan(samples)]
+        if len(samples) == 0:
+            return
+        r = float(samples.max())
+        if self.srtt is None:
+            self.srtt, self.rttvar = r, r / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
+            self.srtt = 0.875 * self.srtt + 0.125 * r
+        self.base_rto = min(max(self.srtt + 4 * self.rttvar, self.cfg.min_rto), self.cfg.max_rto)
+
     # -- building datagrams -------------------------------------------------------------------------
     def _send(self, cols: np.ndarray, now: float) -> list[tuple[int, bytes]]:
         """Build this round's entries for `cols`, fused into datagrams per aggregator."""
         self.deadline[cols] = now + self.rto[cols]
+        self.sent_at[cols] = now
         agg = self.layout.aggregator_of(cols)
         order = np.lexsort((cols, agg))
         cols, agg = cols[order], agg[order]

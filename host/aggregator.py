@@ -1,0 +1,62 @@
+"""The software aggregator: the aggregator state machine behind a UDP socket."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from . import protocol as P
+from .aggregator_machine import AggregatorMachine
+from .udp import LossHook, open_socket, parse_address
+
+log = logging.getLogger("zerosum.aggregator")
+
+
+class AggregatorServer:
+    def __init__(self, workers: int, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
+                 slots: int = 512, loss: float = 0.0, seed: int | None = None):
+        self.address = parse_address(listen)
+        # Every worker may have a datagram in flight for every slot: size the buffer for all of them.
+        per_slot = P.ENTRY_SIZE + 256 * P.WIRE_VALUE.itemsize
+        want = max(8 << 20, 2 * workers * slots * per_slot)
+        self.sock, got = open_socket(self.address, rcvbuf=want)
+        granted = max(1, min(slots, got // (workers * per_slot)))
+        if granted < slots:
+            log.warning("receive buffer is %d bytes (raise net.core.rmem_max or run as root): "
+                        "granting %d slots instead of %d", got, granted, slots)
+        self.machine = AggregatorMachine(job, workers, slots=granted)
+        self.loss = LossHook(loss, seed)
+        self.address = self.sock.getsockname()
+
+    def serve(self, stop=None, stats_interval: float = 0.0) -> None:
+        """Serve until `stop()` is true (checked at least every 0.2 s) or forever."""
+        buf = bytearray(P.MAX_DATAGRAM + 1)
+        view = memoryview(buf)
+        sock, machine = self.sock, self.machine
+        sock.settimeout(0.2)
+        next_stats = time.monotonic() + stats_interval if stats_interval else float("inf")
+        while stop is None or not stop():
+            try:
+                n, addr = sock.recvfrom_into(buf)
+            except socket.timeout:
+                n = 0
+            except ConnectionRefusedError:
+                continue
+            if n and not self.loss.drop():
+                for dests, data in machine.receive(view[:n], addr):
+                    for dest in dests:
+                        if self.loss.drop():
+                            continue
+                        try:
+                            sock.sendto(data, dest)
+                        except OSError:
+                            machine.count("send_errors")
+            if time.monotonic() >= next_stats:
+                log.info("counters: %s", self.counters_line())
+                next_stats = time.monotonic() + stats_interval
+
+    def counters_line(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in sorted(self.machine.counters.items())) or "none"
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,120 @@
+"""The `zerosum` command: aggregator, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from . import protocol as P
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments give one line on stderr, not a usage dump or a traceback."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _rate(text):
+    try:
+        v = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"loss must be in [0, 1) or 0%..99%, got {text}")
+    return v
+
+
+def _densities(text):
+    try:
+        vals = [float(t) for t in text.split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(not 0 <= v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"densities must be in [0, 1], got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="zerosum", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    a = sub.add_parser("aggregator", help="run the software aggregator")
+    a.add_argument("--workers", type=_positive_int, required=True, help="number of workers in the job")
+    a.add_argument("--listen", default=f"0.0.0.0:{P.DEFAULT_PORT}", help="HOST:PORT to listen on")
+    a.add_argument("--job", type=int, default=1, help="job id to serve (others are dropped)")
+    a.add_argument("--slots", type=_positive_int, default=512, help="aggregation slots granted to the job")
+    a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
+    a.add_argument("--stats", type=float, default=0.0, metavar="SECONDS", help="log counters this often")
+
+    def bench_args(b, *, densities, rounds, workers):
+        b.add_argument("--workers", type=_positive_int, nargs="+", default=workers,
+                       help="world sizes to run (processes on loopback)")
+        b.add_argument("--densities", type=_densities, default=densities,
+                       help="comma-separated fractions of non-zero blocks")
+        b.add_argument("--size", type=_positive_int, default=26_214_400, help="floats per tensor")
+        b.add_argument("--block-size", type=_positive_int, default=256)
+        b.add_argument("--aggregators", type=_positive_int, default=1, help="aggregator processes")
+        b.add_argument("--rounds", type=_positive_int, default=rounds, help="timed allreduces per density")
+        b.add_argument("--warmup", type=int, default=1, help="untimed allreduces per density")
+        b.add_argument("--no-baseline", action="store_true", help="skip the torch gloo allreduce baseline")
+        b.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                       help="check every rank's first result against the fixed-point reference")
+        b.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at the workers")
+        b.add_argument("--port", type=int, default=0, help="first aggregator port (0: pick free ports)")
+        b.add_argument("--output", default="results", help="directory for bench.json and bench.png")
+
+    b = sub.add_parser("bench", help="OmniReduce microbenchmark: ZeroSum vs torch gloo allreduce")
+    bench_args(b, densities=[1.0, 0.8, 0.4, 0.2, 0.1, 0.04, 0.01], rounds=3, workers=[2, 4, 8])
+    d = sub.add_parser("demo", help="the main job: aggregator + 4 workers on loopback, a few densities")
+    bench_args(d, densities=[1.0, 0.1, 0.01], rounds=3, workers=[4])
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "aggregator":
+            return _aggregator(args)
+        from .bench import run_from_args
+        return run_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"zerosum {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _aggregator(args) -> int:
+    from .aggregator import AggregatorServer
+    if not 0 <= args.job <= 0xFFFF:
+        raise ValueError(f"--job must be 0..65535, got {args.job}")
+    if args.workers > P.MAX_WORLD:
+        raise ValueError(f"--workers must be at most {P.MAX_WORLD}, got {args.workers}")
+    server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    host, port = server.address
+    logging.getLogger("zerosum.aggregator").info(
+        "serving job %d for %d workers on %s:%d with %d slots", args.job, args.workers, host, port,
+        server.machine.state.slots)
+    try:
+        server.serve(stop=lambda: bool(stopping), stats_interval=args.stats)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        logging.getLogger("zerosum.aggregator").info("counters: %s", server.counters_line())
+        server.close()
+    return 0

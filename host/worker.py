@@ -1,0 +1,208 @@
+"""`zerosum.Worker`: the public API. Drives the worker state machine over a UDP socket."""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import protocol as P
+from .aggregator_machine import new_nonce
+from .blocks import BlockView, find_nonzero_blocks
+from .errors import ZeroSumError, ZeroSumTimeout
+from .layout import Layout
+from .udp import LossHook, open_socket, parse_address
+from .worker_machine import AllreduceMachine, WorkerConfig
+
+JOIN_INTERVAL = 0.05
+
+
+@dataclass
+class WorkerStats:
+    allreduces: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    datagrams_sent: int = 0
+    datagrams_received: int = 0
+    retransmitted_entries: int = 0
+    drops: dict = field(default_factory=dict)
+
+
+class Worker:
+    """One rank of a ZeroSum job. Use as a context manager; `allreduce(x)` returns the sum over ranks.
+
+    aggregators: "HOST:PORT" strings, in the same order on every worker (columns are striped over them).
+    timeout: seconds without progress before an allreduce (or the join) fails with ZeroSumTimeout.
+    loss: simulated loss rate of this worker's datagrams in both directions (for experiments and tests).
+    """
+
+    def __init__(self, rank: int, world_size: int, aggregators=("127.0.0.1:48879",), job: int = 1,
+                 block_size: int = 256, *, timeout: float = 30.0, max_datagram: int = P.MAX_DATAGRAM,
+                 rto: float = 0.05, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0"):
+        if not 1 <= world_size <= P.MAX_WORLD:
+            raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be 0..{world_size - 1}, got {rank}")
+        if not 0 <= job <= 0xFFFF:
+            raise ValueError(f"job must be 0..65535, got {job}")
+        if not 1 <= block_size <= 0xFFFF:
+            raise ValueError(f"block_size must be 1..65535, got {block_size}")
+        if isinstance(aggregators, str):
+            aggregators = [aggregators]
+        if not aggregators:
+            raise ValueError("at least one aggregator address is needed")
+        self.aggregator_names = [str(a) for a in aggregators]
+        self.aggregators = [parse_address(a) for a in aggregators]
+        self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
+                                   rto=rto, timeout=timeout, aggregator_names=self.aggregator_names)
+        P.max_entries(max_datagram, block_size)   # validates that one block fits
+        self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
+        self.timeout = timeout
+        self.loss = LossHook(loss, seed)
+        self.bind = parse_address(bind, 0)
+        self.stats = WorkerStats()
+        self.sock: socket.socket | None = None
+        self.slots = 0
+        self.epoch = 0
+        self.last: AllreduceMachine | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def __enter__(self) -> "Worker":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        if self.sock is not None:
+            return
+        # Results arrive in bursts of up to one datagram per group of slots from every aggregator.
+        self.sock, _ = open_socket(self.bind, rcvbuf=16 << 20)
+        self._from = {addr: i for i, addr in enumerate(self.aggregators)}
+        self._buf = bytearray(P.MAX_DATAGRAM + 1)
+        try:
+            self._join()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    # -- I/O helpers --------------------------------------------------------------------------------
+    def _send(self, aggregator: int, data: bytes) -> None:
+        self.stats.bytes_sent += len(data)
+        self.stats.datagrams_sent += 1
+        if self.loss.drop():
+            return
+        try:
+            self.sock.sendto(data, self.aggregators[aggregator])
+        except OSError:
+            pass    # e.g. ECONNREFUSED from an earlier ICMP error, or a full buffer: it is a loss
+
+    def _recv(self, wait: float):
+        """One datagram as (aggregator index, memoryview), or None after `wait` seconds."""
+        self.sock.settimeout(max(wait, 0.0) or 1e-6)
+        try:
+            n, addr = self.sock.recvfrom_into(self._buf)
+        except (socket.timeout, BlockingIOError):
+            return None
+        except ConnectionRefusedError:
+            return None
+        self.stats.bytes_received += n
+        self.stats.datagrams_received += 1
+        if self.loss.drop():
+            return None
+        idx = self._from.get(addr)
+        if idx is None:
+            self.stats.drops["unknown_source"] = self.stats.drops.get("unknown_source", 0) + 1
+            return None
+        return idx, memoryview(self._buf)[:n]
+
+    # -- join ---------------------------------------------------------------------------------------
+    def _join(self) -> None:
+        nonce = new_nonce()
+        join = P.encode(P.Header(P.JOIN, self.job, self.rank, self.world_size, nonce, 0, self.block_size))
+        full = (1 << self.world_size) - 1
+        joined = [0] * len(self.aggregators)
+        heard = [False] * len(self.aggregators)
+        slots = [0] * len(self.aggregators)
+        start = time.monotonic()
+        next_send = start
+        while not all(j == full for j in joined):
+            now = time.monotonic()
+            if now - start > self.timeout:
+                raise ZeroSumTimeout(self._join_failure(joined, heard))
+            if now >= next_send:
+                for a in range(len(self.aggregators)):
+                    if joined[a] != full:
+                        self._send(a, join)
+                next_send = now + JOIN_INTERVAL
+            got = self._recv(next_send - now)
+            if got is None:
+                continue
+            a, data = got
+            try:
+                d = P.decode(data)
+            except P.ProtocolError:
+                continue
+            if d.header.type == P.JOIN_ACK and d.header.job == self.job and d.header.epoch == nonce:
+                slots[a], bitmap = P.JOIN_ACK_BODY.unpack(d.body)
+                joined[a] |= bitmap
+                heard[a] = True
+        self.slots = min(slots)
+        # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
+
+    def _join_failure(self, joined, heard) -> str:
+        silent = [n for n, h in zip(self.aggregator_names, heard) if not h]
+        if silent:
+            return (f"rank {self.rank}: no answer to JOIN from aggregator {', '.join(silent)} within "
+                    f"{self.timeout:.1f} s (is it running for job {self.job} with --workers "
+                    f"{self.world_size}?)")
+        full = (1 << self.world_size) - 1
+        missing = sorted({r for j in joined for r in range(self.world_size) if not (j | ~full) >> r & 1})
+        return (f"rank {self.rank}: ranks {', '.join(map(str, missing))} did not join job {self.job} "
+                f"within {self.timeout:.1f} s")
+
+    # -- allreduce ----------------------------------------------------------------------------------
+    def allreduce(self, x):
+        """Sum `x` over all ranks; returns a new array of the same shape and dtype (float32 or int32)."""
+        if self.sock is None:
+            raise ZeroSumError("worker is not open: use `with zerosum.Worker(...) as w:` or call open()")
+        arr = np.asarray(x)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        view = BlockView(flat, self.block_size)
+        sparse = find_nonzero_blocks(view)
+        output = np.zeros((view.nblocks, self.block_size), flat.dtype)
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
+        if view.nblocks:
+            layout = Layout(len(self.aggregators), self.slots, view.nblocks)
+            machine = AllreduceMachine(self.config, self.epoch, view, sparse, layout, output)
+            self._run(machine)
+        self.stats.allreduces += 1
+        return output.reshape(-1)[: flat.size].reshape(arr.shape)
+
+    def _run(self, m: AllreduceMachine) -> None:
+        self.last = m
+        try:
+            for a, data in m.start(time.monotonic()):
+                self._send(a, data)
+            while not m.done:
+                now = time.monotonic()
+                if now >= m.deadline_at:
+                    for a, data in m.poll(now):
+                        self._send(a, data)
+                    continue
+                got = self._recv(m.deadline_at - now)
+                if got is None:
+                    continue
+                for a, data in m.receive(got[0], got[1], time.monotonic()):
+                    self._send(a, data)
+        finally:
+            self.stats.retransmitted_entries += m.retransmitted
+            for k, v in m.drops.items():
+                self.stats.drops[k] = self.stats.drops.get(k, 0) + v

@@ -1,0 +1,87 @@
+"""Real processes on loopback: aggregators and workers for end-to-end tests."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import traceback
+
+import numpy as np
+
+CTX = mp.get_context("spawn")
+
+
+def sparse_tensor(rank: int, seed: int, n: int, density: float, block_size: int = 256, dtype=np.float32):
+    rng = np.random.default_rng([seed, rank])
+    if dtype == np.int32:
+        x = rng.integers(-2**20, 2**20, n).astype(np.int32)
+    else:
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 5, n)).astype(np.float32)
+    nblocks = -(-n // block_size)
+    x[~np.repeat(rng.random(nblocks) < density, block_size)[:n]] = 0
+    return x
+
+
+def _aggregator_main(ready, stop, result, workers, kwargs):
+    from zerosum.aggregator import AggregatorServer
+    server = AggregatorServer(workers, "127.0.0.1:0", **kwargs)
+    ready.put(server.address[1])
+    server.serve(stop=stop.is_set)
+    result.put(dict(server.machine.counters))
+    server.close()
+
+
+class Aggregator:
+    """An AggregatorServer in its own process; `counters()` stops it and returns its drop counters."""
+
+    def __init__(self, workers: int, **kwargs):
+        self._ready, self._stop, self._result = CTX.Queue(), CTX.Event(), CTX.Queue()
+        self.proc = CTX.Process(target=_aggregator_main,
+                                args=(self._ready, self._stop, self._result, workers, kwargs), daemon=True)
+        self.proc.start()
+        self.port = self._ready.get(timeout=30)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> dict:
+        self._stop.set()
+        try:
+            counters = self._result.get(timeout=10)
+        finally:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+        return counters
+
+
+def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, exit_after_join):
+    import zerosum
+    try:
+        with zerosum.Worker(rank, world, addresses, **kwargs) as w:
+            if exit_after_join:
+                return
+            results = [w.allreduce(sparse_tensor(rank, s, n, density, w.block_size, dtype)) for s in seeds]
+            out.put((rank, "ok", results, w.stats))
+    except Exception as e:  # reported to the test, which asserts on it
+        out.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(), hang_after=120, **kwargs):
+    """Run `world` worker processes; return {rank: (status, payload, extra)} for the live ones."""
+    out = CTX.Queue()
+    procs = [CTX.Process(target=_worker_main, args=(out, r, world, addresses, seeds, n, density, kwargs,
+                                                    dtype, r in dead), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world - len(dead)):
+            rank, status, payload, extra = out.get(timeout=hang_after)
+            results[rank] = (status, payload, extra)
+    except queue.Empty:
+        raise AssertionError(f"workers hung: only ranks {sorted(results)} reported") from None
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return results
