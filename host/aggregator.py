@@ -14,7 +14,7 @@ log = logging.getLogger("zerosum.aggregator")
 
 class AggregatorServer:
     def __init__(self, workers: int, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
-                 slots: int = 512, loss: float = 0.0, seed: int | None = None):
+                 slots: int = 2048, loss: float = 0.0, seed: int | None = None):
         self.address = parse_address(listen)
         # Every worker may have a datagram in flight for every slot: size the buffer for all of them.
         per_slot = P.ENTRY_SIZE + 256 * P.WIRE_VALUE.itemsize

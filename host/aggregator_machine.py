@@ -69,13 +69,16 @@ class JobState:
 class AggregatorMachine:
     """Serves one job: `world` workers, `slots` aggregation slots of up to `max_block_size` values each."""
 
-    def __init__(self, job: int, world: int, slots: int = 512, max_block_size: int = 4096):
+    def __init__(self, job: int, world: int, slots: int = 2048, max_block_size: int = 4096,
+                 max_datagram: int = P.MAX_DATAGRAM):
         if not 1 <= world <= P.MAX_WORLD:
             raise ValueError(f"world size must be 1..{P.MAX_WORLD}, got {world}")
         if not 1 <= slots <= 0xFFFF:
             raise ValueError(f"slots must be 1..65535, got {slots}")
         self.state = JobState(job, world, slots)
+        self._scratch = np.zeros(slots, np.int64)
         self.max_block_size = max_block_size
+        self.max_datagram = max_datagram
         self.counters: dict[str, int] = {}
         self.results_sent = 0
 
@@ -138,12 +141,12 @@ class AggregatorMachine:
     # -- the data path ------------------------------------------------------------------------------
     def _data(self, d: P.Datagram, source) -> list[tuple[list, bytes]]:
         s, h = self.state, d.header
-        e = d.entries
-        slot = e["slot"].astype(np.int64)
-        if np.any(slot >= s.slots):
+        slot, block = d.slot, d.block
+        if len(slot) == 0:
+            return []
+        if slot.max() >= s.slots or P.repeats_a_slot(slot, self._scratch):
             self.count("drop_range")
             return []
-        block = e["block"].astype(np.int64)
         epoch = h.epoch
         rank_bit = np.int64(1) << h.rank
 
@@ -171,9 +174,7 @@ class AggregatorMachine:
         if stale.any():
             self.count("drop_stale", int(np.count_nonzero(stale)))
 
-        rows = d.data_row
-        has = rows >= 0
-        bad = fresh & ((has & (e["exp"] != s.slot_exp[slot])) | (s.slot_tensor_blocks[slot] != h.tensor_blocks))
+        bad = fresh & ((d.has & (d.exp != s.slot_exp[slot])) | (s.slot_tensor_blocks[slot] != h.tensor_blocks))
         if bad.any():
             # The worker disagrees with the slot about the block's exponent or the tensor: never add it.
             self.count("drop_mismatch", int(np.count_nonzero(bad)))
@@ -181,26 +182,30 @@ class AggregatorMachine:
 
         out: list[tuple[list, bytes]] = []
         if fresh.any():
-            out += self._accumulate(d, slot[fresh], rows[fresh], e[fresh], rank_bit)
+            out += self._accumulate(d, fresh, rank_bit)
         if dup.any():
             self.count("duplicates", int(np.count_nonzero(dup)))
             out.append(([source], self._status(slot[dup], epoch, h.tensor_blocks)))
         if previous.any():
             self.count("retransmissions_answered", int(np.count_nonzero(previous)))
-            out.append(([source], self._shadow_result(slot[previous], epoch, h.tensor_blocks)))
+            out += [([source], r) for r in self._shadow_results(slot[previous], epoch, h.tensor_blocks)]
         return out
 
-    def _accumulate(self, d, slot, rows, e, rank_bit) -> list[tuple[list, bytes]]:
+    def _accumulate(self, d: P.Datagram, fresh: np.ndarray, rank_bit) -> list[tuple[list, bytes]]:
         s = self.state
-        has = rows >= 0
-        if has.any():
+        if fresh.all():
+            slot, has, nxt, nexp = d.slot, d.has, d.next, d.next_exp
+            data = d.data
+        else:
+            slot, has, nxt, nexp = d.slot[fresh], d.has[fresh], d.next[fresh], d.next_exp[fresh]
+            data = d.data[d.row[fresh & d.has]]
+        if len(data):
             # Slots are unique within a datagram, so the fancy-indexed add touches each row once.
-            s.acc[slot[has]] += d.data[rows[has]]
-            s.has_data[slot[has]] = True
+            dst = slot[has]
+            s.acc[dst] += data
+            s.has_data[dst] = True
         s.bitmap[slot] |= rank_bit
         s.count[slot] += 1
-        nxt = e["next"].astype(np.int64)
-        nexp = e["next_exp"].astype(np.int64)
         cur_min, cur_exp = s.min_next[slot], s.min_next_exp[slot]
         less, same = nxt < cur_min, nxt == cur_min
         s.min_next[slot] = np.where(less, nxt, cur_min)
@@ -227,7 +232,15 @@ class AggregatorMachine:
         s.has_data[done] = False
         self.count("rounds", len(done))
         addresses = [m.address for _, m in sorted(s.members.items())]
-        return [(addresses, self._shadow_result(done, d.header.epoch, d.header.tensor_blocks))]
+        return [(addresses, r) for r in self._shadow_results(done, d.header.epoch, d.header.tensor_blocks)]
+
+    def _shadow_results(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> list[bytes]:
+        """RESULT datagrams for these slots' previous rounds (a result may need more datagrams than
+        the contribution that completed it: other workers' data makes it larger)."""
+        has = self.state.prev_has_data[slot]
+        cuts = P.split_points(has, self.state.block_size, self.max_datagram)
+        return [self._shadow_result(slot[a:b], epoch, tensor_blocks)
+                for a, b in zip(cuts[:-1], cuts[1:])]
 
     def _shadow_result(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> bytes:
         s = self.state

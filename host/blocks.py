@@ -65,14 +65,35 @@ class BlockView:
             return np.zeros(0, self.flat.dtype)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def max_abs(self) -> np.ndarray:
-        """Largest magnitude per block (float32), or for int32 whether the block is non-zero (0/1).
+    def _any_bits(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each row has a non-zero bit pattern: one pass over the raw integers (-0.0 counts)."""
+        return rows.view(np.uint32).max(axis=1) != 0 if rows.shape[1] else np.zeros(len(rows), bool)
 
-        max and -min instead of abs(): no temporary the size of the tensor.
+    @staticmethod
+    def _max_abs_rows(rows: np.ndarray) -> np.ndarray:
+        # max and -min instead of abs(): no temporary the size of the data
+        return np.maximum(rows.max(axis=1), -rows.min(axis=1))
+
+    def max_abs(self) -> np.ndarray:
+        """Largest magnitude per block (float32; for int32 data 1.0 marks a non-zero block).
+
+        A cheap integer pass finds the candidate blocks first, so sparse tensors only pay for
+        magnitudes where there is data.
         """
-        if self.is_int:
-            return self._per_block(lambda r: (r.max(axis=1) != 0) | (r.min(axis=1) != 0)).astype(np.float32)
-        return self._per_block(lambda r: np.maximum(r.max(axis=1), -r.min(axis=1)))
+        out = np.zeros(self.nblocks, np.float32)
+        for base, rows in ((0, self.full), (self.nfull, self.tail)):
+            if rows is None or len(rows) == 0:
+                continue
+            live = self._any_bits(rows)
+            if self.is_int:
+                out[base: base + len(rows)] = live
+                continue
+            idx = np.flatnonzero(live)
+            if len(idx) > len(rows) // 2:
+                out[base: base + len(rows)] = self._max_abs_rows(rows)
+            elif len(idx):
+                out[base + idx] = self._max_abs_rows(rows[idx])
+        return out
 
 
 @dataclass

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--workers", type=_positive_int, required=True, help="number of workers in the job")
     a.add_argument("--listen", default=f"0.0.0.0:{P.DEFAULT_PORT}", help="HOST:PORT to listen on")
     a.add_argument("--job", type=int, default=1, help="job id to serve (others are dropped)")
-    a.add_argument("--slots", type=_positive_int, default=512, help="aggregation slots granted to the job")
+    a.add_argument("--slots", type=_positive_int, default=2048, help="aggregation slots granted to the job")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--stats", type=float, default=0.0, metavar="SECONDS", help="log counters this often")
 
@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--size", type=_positive_int, default=26_214_400, help="floats per tensor")
         b.add_argument("--block-size", type=_positive_int, default=256)
         b.add_argument("--aggregators", type=_positive_int, default=1, help="aggregator processes")
+        b.add_argument("--slots", type=_positive_int, default=2048, help="slots per aggregator")
         b.add_argument("--rounds", type=_positive_int, default=rounds, help="timed allreduces per density")
         b.add_argument("--warmup", type=int, default=1, help="untimed allreduces per density")
         b.add_argument("--no-baseline", action="store_true", help="skip the torch gloo allreduce baseline")

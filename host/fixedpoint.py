@@ -34,19 +34,27 @@ def block_exponents(maxabs: np.ndarray) -> np.ndarray:
 
 def _scale_rows(rows: np.ndarray, shift: np.ndarray) -> None:
     """rows *= 2**shift (per row), exactly, in place; shift may exceed float32's exponent range."""
+    if len(shift) == 0:
+        return
+    lo, hi = int(shift.min()), int(shift.max())
+    if _F32_MIN_EXP <= lo and hi <= _F32_MAX_EXP:   # the usual case: one multiply
+        rows *= np.exp2(shift.astype(np.float32))[:, None]
+        return
     first = np.clip(shift, _F32_MIN_EXP, _F32_MAX_EXP)
-    rows *= np.ldexp(np.float32(1), first.astype(np.int32))[:, None]
+    rows *= np.exp2(first.astype(np.float32))[:, None]
     rest = shift - first
-    if np.any(rest):
-        rows *= np.ldexp(np.float32(1), rest.astype(np.int32))[:, None]
+    if rest.any():
+        rows *= np.exp2(rest.astype(np.float32))[:, None]
 
 
-def quantize(rows: np.ndarray, exps: np.ndarray, world: int, out: np.ndarray | None = None) -> np.ndarray:
+def quantize(rows: np.ndarray, exps: np.ndarray, world: int, out: np.ndarray | None = None,
+             overwrite: bool = False) -> np.ndarray:
     """float32 rows (n, B) and agreed exponents (n,) -> int32 rows (n, B), into `out` if given.
 
     `out` may have any int32 byte order, e.g. a big-endian view into a datagram being built.
+    With overwrite=True, `rows` (a float32 array) is used as scratch space.
     """
-    scaled = np.array(rows, dtype=np.float32, copy=True)
+    scaled = rows if overwrite and rows.dtype == np.float32 else np.array(rows, dtype=np.float32, copy=True)
     _scale_rows(scaled, precision_bits(world) - exps.astype(np.int64))
     np.rint(scaled, out=scaled)
     if out is None:

@@ -8,7 +8,7 @@ whole datagram parses with two `numpy.frombuffer` calls, and so that a P4 parser
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,8 @@ PACKET_HEADER = np.dtype([
     ("version", "u1"), ("type", "u1"), ("job", ">u2"), ("rank", ">u2"), ("world", ">u2"),
     ("epoch", ">u4"), ("tensor_blocks", ">u4"), ("block_size", ">u2"), ("entries", ">u2"),
 ])
+_NATIVE_ENTRY = np.dtype([(name, np.int64) for name in
+                          ("slot", "flags", "block", "next", "exp", "next_exp")])
 ENTRY_HEADER = np.dtype([
     ("slot", ">u2"), ("flags", ">u2"), ("block", ">u4"), ("next", ">u4"),
     ("exp", ">i2"), ("next_exp", ">i2"),
@@ -63,8 +65,7 @@ class ProtocolError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     type: int
     job: int
     rank: int
@@ -75,22 +76,31 @@ class Header:
     entries: int = 0
 
 
-@dataclass
 class Datagram:
-    """A parsed datagram: its header, a structured array of entry headers, and the data rows.
+    """A parsed datagram: its header, the entry fields as native int64 arrays, and the data rows.
 
-    `data[i]` belongs to the i-th entry that has HAS_DATA set; `data_row` maps entries to rows (-1: none).
-    The arrays are views into the received buffer: copy what must outlive it.
+    `data[row[i]]` is the block of entry i when `has[i]` (row is -1 otherwise). `data` and `entries` (the
+    raw structured entry headers) are views into the received buffer: copy what must outlive it.
     """
-    header: Header
-    entries: np.ndarray
-    data: np.ndarray
-    body: bytes = b""
+    __slots__ = ("header", "entries", "slot", "flags", "block", "next", "exp", "next_exp", "has", "row",
+                 "data", "body")
+
+    def __init__(self, header: Header, entries: np.ndarray, data: np.ndarray, body: bytes = b""):
+        self.header, self.entries, self.data, self.body = header, entries, data, body
+        native = entries.astype(_NATIVE_ENTRY)   # one conversion; the fields below are views
+        self.slot, self.flags, self.block = native["slot"], native["flags"], native["block"]
+        self.next, self.exp, self.next_exp = native["next"], native["exp"], native["next_exp"]
+        self.has = self.flags.astype(bool)      # valid once decode has checked flags <= HAS_DATA
+        n, rows = len(self.has), int(self.has.sum())
+        if rows == n:
+            self.row = np.arange(n)
+        else:
+            self.row = np.cumsum(self.has, dtype=np.int64) - 1
+            self.row[~self.has] = -1
 
     @property
     def data_row(self) -> np.ndarray:
-        has = (self.entries["flags"] & HAS_DATA) != 0
-        return np.where(has, np.cumsum(has) - 1, -1)
+        return self.row
 
 
 def entries_array(n: int) -> np.ndarray:
@@ -108,6 +118,30 @@ def max_entries(max_bytes: int, block_size: int, with_data: bool = True) -> int:
     if n < 1:
         raise ValueError(f"a datagram of {max_bytes} bytes cannot carry one block of {block_size} values")
     return min(n, 0xFFFF)
+
+
+def split_points(has: np.ndarray, block_size: int, max_bytes: int = MAX_DATAGRAM) -> list[int]:
+    """Where to cut a run of entries (HAS_DATA flags `has`) into datagrams of at most `max_bytes`.
+
+    Header-only entries cost 16 bytes and data entries 16 + 4*block_size, so a sparse round fuses
+    thousands of columns into one datagram while a dense one carries as many blocks as fit.
+    Returns the cut positions, starting with 0 and ending with len(has).
+    """
+    budget = min(max_bytes, MAX_DATAGRAM) - PACKET_HEADER_SIZE
+    per_data = block_size * WIRE_VALUE.itemsize
+    if ENTRY_SIZE + per_data > budget:
+        raise ValueError(f"a datagram of {max_bytes} bytes cannot carry one block of {block_size} values")
+    ends = np.cumsum(ENTRY_SIZE + per_data * np.asarray(has, np.int64))
+    cuts, start, used = [0], 0, 0
+    n = len(ends)
+    while start < n:
+        # entries fit while their cumulative size stays within the budget (and the 16-bit count)
+        stop = int(np.searchsorted(ends, used + budget, side="right"))
+        stop = min(max(stop, start + 1), start + 0xFFFF, n)
+        cuts.append(stop)
+        used = int(ends[stop - 1])
+        start = stop
+    return cuts
 
 
 def encode_into(buf: memoryview | bytearray, header: Header, entries: np.ndarray,
@@ -144,6 +178,10 @@ def encode(header: Header, entries: np.ndarray | None = None, data: np.ndarray |
     return bytes(buf) + body
 
 
+_HEADER = struct.Struct(">BBHHHIIHH")
+_EMPTY_ROWS = np.zeros((0, 0), WIRE_VALUE)
+
+
 def decode(buf, length: int | None = None) -> Datagram:
     """Parse and validate a datagram; raise ProtocolError (with a counter name) if it is malformed.
 
@@ -154,57 +192,65 @@ def decode(buf, length: int | None = None) -> Datagram:
     n = len(mv)
     if n < PACKET_HEADER_SIZE:
         raise ProtocolError("short", f"{n} bytes is shorter than the {PACKET_HEADER_SIZE}-byte header")
-    h = np.frombuffer(mv, dtype=PACKET_HEADER, count=1)[0]
-    if h["version"] != VERSION:
-        raise ProtocolError("version", f"unknown protocol version {int(h['version'])}")
-    ptype = int(h["type"])
+    version, ptype, job, rank, world, epoch, tblocks, bsize, nent = _HEADER.unpack_from(mv)
+    if version != VERSION:
+        raise ProtocolError("version", f"unknown protocol version {version}")
     if ptype not in TYPE_NAMES:
         raise ProtocolError("type", f"unknown packet type {ptype}")
-    header = Header(ptype, int(h["job"]), int(h["rank"]), int(h["world"]), int(h["epoch"]),
-                    int(h["tensor_blocks"]), int(h["block_size"]), int(h["entries"]))
+    header = Header(ptype, job, rank, world, epoch, tblocks, bsize, nent)
     if ptype in (JOIN, JOIN_ACK):
         body = bytes(mv[PACKET_HEADER_SIZE:])
         expect = JOIN_ACK_BODY.size if ptype == JOIN_ACK else 0
-        if header.entries or len(body) != expect:
+        if nent or len(body) != expect:
             raise ProtocolError("length", f"{TYPE_NAMES[ptype]} must have no entries and a "
-                                          f"{expect}-byte body, got {header.entries} entries, {len(body)} bytes")
-        return Datagram(header, entries_array(0), np.zeros((0, 0), WIRE_VALUE), body)
-    if header.block_size == 0:
+                                          f"{expect}-byte body, got {nent} entries, {len(body)} bytes")
+        return Datagram(header, entries_array(0), _EMPTY_ROWS, body)
+    if bsize == 0:
         raise ProtocolError("length", "block_size is 0")
-    end_of_headers = PACKET_HEADER_SIZE + header.entries * ENTRY_SIZE
+    end_of_headers = PACKET_HEADER_SIZE + nent * ENTRY_SIZE
     if n < end_of_headers:
-        raise ProtocolError("length", f"{header.entries} entries need {end_of_headers} bytes, got {n}")
-    entries = np.frombuffer(mv, dtype=ENTRY_HEADER, count=header.entries, offset=PACKET_HEADER_SIZE)
-    flags = entries["flags"]
-    if np.any(flags & ~np.uint16(HAS_DATA)):
+        raise ProtocolError("length", f"{nent} entries need {end_of_headers} bytes, got {n}")
+    entries = np.frombuffer(mv, dtype=ENTRY_HEADER, count=nent, offset=PACKET_HEADER_SIZE)
+    d = Datagram(header, entries, _EMPTY_ROWS)
+    if nent and d.flags.max() > HAS_DATA:
         raise ProtocolError("flags", "unknown entry flags")
-    rows = int(np.count_nonzero(flags & HAS_DATA))
-    expect = end_of_headers + rows * header.block_size * WIRE_VALUE.itemsize
+    rows = int(d.row[-1]) + 1 if nent and d.has[-1] else int(d.has.sum())
+    expect = end_of_headers + rows * bsize * WIRE_VALUE.itemsize
     if n != expect:
-        raise ProtocolError("length", f"{header.entries} entries with {rows} data blocks of "
-                                      f"{header.block_size} values need {expect} bytes, got {n}")
-    data = np.frombuffer(mv, dtype=WIRE_VALUE, count=rows * header.block_size,
-                         offset=end_of_headers).reshape(rows, header.block_size)
-    if ptype in (DATA, RESULT):
-        _check_entries(header, entries)
-    return Datagram(header, entries, data)
+        raise ProtocolError("length", f"{nent} entries with {rows} data blocks of "
+                                      f"{bsize} values need {expect} bytes, got {n}")
+    d.data = np.frombuffer(mv, dtype=WIRE_VALUE, count=rows * bsize, offset=end_of_headers).reshape(rows, bsize)
+    if nent and ptype in (DATA, RESULT):
+        _check_entries(d)
+    return d
 
 
-def _check_entries(header: Header, entries: np.ndarray) -> None:
-    block = entries["block"]
-    nxt = entries["next"]
-    limit = header.tensor_blocks
-    if header.tensor_blocks > MAX_BLOCKS:
-        raise ProtocolError("range", f"tensor of {header.tensor_blocks} blocks is too large")
-    if np.any((block != BOOT) & (block >= limit)):
-        raise ProtocolError("range", f"block index beyond the tensor's {limit} blocks")
-    if np.any((nxt != END) & ((nxt >= limit) | ((block != BOOT) & (nxt <= block)))):
+def _check_entries(d: Datagram) -> None:
+    limit = d.header.tensor_blocks
+    if limit > MAX_BLOCKS:
+        raise ProtocolError("range", f"tensor of {limit} blocks is too large")
+    block, nxt = d.block, d.next
+    real = block != BOOT
+    # One combined mask on the fast path; the reason is worked out only for bad datagrams.
+    bad = (block >= limit) & real
+    bad |= (nxt != END) & ((nxt >= limit) | (real & (nxt <= block)))
+    bad |= d.has & (~real | (d.exp == NO_EXP))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        if d.has[i] and not real[i]:
+            raise ProtocolError("flags", "a bootstrap entry carries no data")
+        if d.has[i] and d.exp[i] == NO_EXP:
+            raise ProtocolError("exponent", "a data entry needs an exponent")
+        if real[i] and block[i] >= limit:
+            raise ProtocolError("range", f"block index {block[i]} beyond the tensor's {limit} blocks")
         raise ProtocolError("range", "next index must be a later block of the tensor or END")
-    has = (entries["flags"] & HAS_DATA) != 0
-    if np.any(has & (block == BOOT)):
-        raise ProtocolError("flags", "a bootstrap entry carries no data")
-    exp = entries["exp"]
-    if np.any(has & (exp == NO_EXP)):
-        raise ProtocolError("exponent", "a data entry needs an exponent")
-    if len(np.unique(entries["slot"])) != len(entries):
-        raise ProtocolError("duplicate", "a datagram names each slot at most once")
+
+
+def repeats_a_slot(slots: np.ndarray, scratch: np.ndarray) -> bool:
+    """Whether a datagram names a slot twice (slots must be < len(scratch); scratch is reused)."""
+    n = len(slots)
+    if n < 2:
+        return False
+    order = np.arange(n)
+    scratch[slots] = order
+    return bool((scratch[slots] != order).any())

@@ -29,8 +29,8 @@ class WorkerConfig:
     world: int
     job: int
     max_datagram: int = P.MAX_DATAGRAM
-    rto: float = 0.05        # retransmission timeout before any round trip was measured
-    min_rto: float = 0.01    # the adaptive timeout (TCP's srtt + 4 rttvar) stays within these
+    rto: float = 0.2         # retransmission timeout before any round trip was measured
+    min_rto: float = 0.05    # the adaptive timeout (TCP's srtt + 4 rttvar) stays within these
     max_rto: float = 1.0
     timeout: float = 30.0    # no progress for this long: give up with an error naming who is missing
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
@@ -50,7 +50,6 @@ class AllreduceMachine:
         self.exp_of = np.append(sparse.exponents, P.NO_EXP)   # the last entry stands for END
         self.header = P.Header(P.DATA, config.job, config.rank, config.world, epoch,
                                layout.nblocks, self.B, 0)
-        self.max_entries = P.max_entries(config.max_datagram, self.B)
 
         S = layout.columns
         # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of seq.
@@ -72,6 +71,7 @@ class AllreduceMachine:
         self.base_rto = config.rto
         self.waiting_for = np.zeros(S, np.int64)   # bitmap from the last STATUS per column (ranks heard)
         self.status_seen = np.zeros(S, bool)
+        self._scratch = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
         self.last_progress = None
         self.bytes_sent = 0
         self.datagrams_sent = 0
@@ -138,15 +138,21 @@ class AllreduceMachine:
         if h.tensor_blocks != self.layout.nblocks or h.block_size != self.B:
             self._drop("geometry")
             return []
-        slots = d.entries["slot"].astype(np.int64)
-        if np.any(slots >= self.layout.slots_used(aggregator)):
+        slots = d.slot
+        if len(slots) == 0:
+            return []
+        if slots.max() >= self.layout.slots_used(aggregator) or P.repeats_a_slot(slots, self._scratch):
             self._drop("range")
             return []
         cols = self.layout.column_of(aggregator, slots)
         if h.type == P.STATUS:
-            current = d.entries["block"] == self.round_block[cols]
-            self.waiting_for[cols[current]] = d.entries["next"][current]
-            self.status_seen[cols[current]] = True
+            current = d.block == self.round_block[cols]
+            waiting = cols[current]
+            self.waiting_for[waiting] = d.next[current]
+            self.status_seen[waiting] = True
+            # The aggregator holds our contribution and waits for others: no need to resend soon.
+            self.rto[waiting] = np.minimum(self.rto[waiting] * 2, self.cfg.max_rto)
+            self.deadline[waiting] = np.maximum(self.deadline[waiting], now + self.rto[waiting])
             return []
         if h.type != P.RESULT:
             self._drop("type")
@@ -154,29 +160,24 @@ class AllreduceMachine:
         return self._on_result(d, cols, now)
 
     def _on_result(self, d: P.Datagram, cols: np.ndarray, now: float) -> list[tuple[int, bytes]]:
-        e = d.entries
-        block = e["block"].astype(np.int64)
+        block = d.block
         fresh = block == self.round_block[cols]
+        rows, exp, nxt, next_exp = d.row, d.exp, d.next, d.next_exp
         if not fresh.all():
             self._drop("duplicate_result", int(np.count_nonzero(~fresh)))
             if not fresh.any():
                 return []
-            e, cols, block = e[fresh], cols[fresh], block[fresh]
-            rows = d.data_row[fresh]
-        else:
-            rows = d.data_row
+            cols, block, rows = cols[fresh], block[fresh], rows[fresh]
+            exp, nxt, next_exp = exp[fresh], nxt[fresh], next_exp[fresh]
         has = rows >= 0
         mine = self._mine(cols)
         sent_data = mine == block
-        exp = e["exp"].astype(np.int64)
-        if np.any(sent_data & ~has):
+        if (sent_data & ~has).any():
             raise ProtocolViolation(f"aggregator {self._agg_name(cols[0])} returned no data for a block "
                                     f"this worker contributed (block {int(block[sent_data & ~has][0])})")
-        if np.any(has & (exp != self.round_exp[cols])):
+        if (has & (exp != self.round_exp[cols])).any():
             raise ProtocolViolation("result exponent differs from the agreed exponent of its block")
-        nxt = e["next"].astype(np.int64)
-        next_exp = e["next_exp"].astype(np.int64)
-        if np.any((nxt != P.END) & ((next_exp == P.INT_EXP) != self.is_int)):
+        if ((nxt != P.END) & ((next_exp == P.INT_EXP) != self.is_int)).any():
             raise ProtocolViolation("workers disagree on the dtype of this allreduce "
                                     "(float32 and int32 contributions to the same blocks)")
         if has.any():
@@ -186,7 +187,7 @@ class AllreduceMachine:
             else:
                 self.output[block[has]] = dequantize(sums, exp[has], self.cfg.world)
         self.mine_pos[cols[sent_data]] += 1
-        if np.any(nxt > self._mine(cols)):
+        if (nxt > self._mine(cols)).any():
             raise ProtocolViolation("aggregator skipped a block this worker still has to send")
         self.round_block[cols] = nxt
         self.round_exp[cols] = next_exp
@@ -231,10 +232,11 @@ class AllreduceMachine:
         ent["exp"] = self.round_exp[cols]
         ent["next_exp"] = self._exp(nxt)
         out = []
-        bounds = np.flatnonzero(np.diff(agg)) + 1
-        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(cols)]):
-            for s in range(lo, hi, self.max_entries):
-                t = min(s + self.max_entries, hi)
+        bounds = [0, *(np.flatnonzero(np.diff(agg)) + 1).tolist(), len(cols)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            cuts = P.split_points(has[lo:hi], self.B, self.cfg.max_datagram)
+            for s, t in zip(cuts[:-1], cuts[1:]):
+                s, t = s + lo, t + lo
                 out.append((int(agg[s]), self._encode(ent[s:t], block[s:t][has[s:t]])))
         return out
 
@@ -248,7 +250,7 @@ class AllreduceMachine:
                 wire[...] = rows
             else:
                 flags = ent["flags"] != 0
-                quantize(rows, ent["exp"][flags], self.cfg.world, out=wire)
+                quantize(rows, ent["exp"][flags], self.cfg.world, out=wire, overwrite=True)
         self.bytes_sent += len(buf)
         self.datagrams_sent += 1
         return bytes(buf)

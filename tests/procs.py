@@ -1,13 +1,12 @@
 """Real processes on loopback: aggregators and workers for end-to-end tests."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import traceback
 
 import numpy as np
 
-CTX = mp.get_context("spawn")
+from zerosum.local import CTX, LocalAggregator as Aggregator  # noqa: F401
 
 
 def sparse_tensor(rank: int, seed: int, n: int, density: float, block_size: int = 256, dtype=np.float32):
@@ -19,37 +18,6 @@ def sparse_tensor(rank: int, seed: int, n: int, density: float, block_size: int 
     nblocks = -(-n // block_size)
     x[~np.repeat(rng.random(nblocks) < density, block_size)[:n]] = 0
     return x
-
-
-def _aggregator_main(ready, stop, result, workers, kwargs):
-    from zerosum.aggregator import AggregatorServer
-    server = AggregatorServer(workers, "127.0.0.1:0", **kwargs)
-    ready.put(server.address[1])
-    server.serve(stop=stop.is_set)
-    result.put(dict(server.machine.counters))
-    server.close()
-
-
-class Aggregator:
-    """An AggregatorServer in its own process; `counters()` stops it and returns its drop counters."""
-
-    def __init__(self, workers: int, **kwargs):
-        self._ready, self._stop, self._result = CTX.Queue(), CTX.Event(), CTX.Queue()
-        self.proc = CTX.Process(target=_aggregator_main,
-                                args=(self._ready, self._stop, self._result, workers, kwargs), daemon=True)
-        self.proc.start()
-        self.port = self._ready.get(timeout=30)
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> dict:
-        self._stop.set()
-        try:
-            counters = self._result.get(timeout=10)
-        finally:
-            self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()
-        return counters
 
 
 def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, exit_after_join):
