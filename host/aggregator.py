@@ -10,6 +10,7 @@ from .aggregator_machine import AggregatorMachine
 from .udp import LossHook, open_socket, parse_address
 
 log = logging.getLogger("zerosum.aggregator")
+FLUSH_EVERY = 16
 
 
 class AggregatorServer:
@@ -35,25 +36,37 @@ class AggregatorServer:
         sock, machine = self.sock, self.machine
         sock.settimeout(0.2)
         next_stats = time.monotonic() + stats_interval if stats_interval else float("inf")
+        backlog = 0
         while stop is None or not stop():
+            # Block only when nothing is pending; otherwise drain what is queued, then flush the
+            # completed rounds together (at least every FLUSH_EVERY datagrams).
+            sock.settimeout(0.0 if machine.completed and backlog < FLUSH_EVERY else 0.2)
             try:
                 n, addr = sock.recvfrom_into(buf)
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):
                 n = 0
             except ConnectionRefusedError:
                 continue
-            if n and not self.loss.drop():
-                for dests, data in machine.receive(view[:n], addr):
-                    for dest in dests:
-                        if self.loss.drop():
-                            continue
-                        try:
-                            sock.sendto(data, dest)
-                        except OSError:
-                            machine.count("send_errors")
+            if n:
+                backlog += 1
+                if not self.loss.drop():
+                    self._send(machine.receive(view[:n], addr))
+            if not n or backlog >= FLUSH_EVERY:
+                backlog = 0
+                self._send(machine.flush())
             if time.monotonic() >= next_stats:
                 log.info("counters: %s", self.counters_line())
                 next_stats = time.monotonic() + stats_interval
+
+    def _send(self, out) -> None:
+        for dests, data in out:
+            for dest in dests:
+                if self.loss.drop():
+                    continue
+                try:
+                    self.sock.sendto(data, dest)
+                except OSError:
+                    self.machine.count("send_errors")
 
     def counters_line(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in sorted(self.machine.counters.items())) or "none"

@@ -1,7 +1,10 @@
 """The aggregator's side of the protocol, as a pure state machine (no sockets, no clocks).
 
-`receive(datagram, source)` takes one datagram and the opaque address it came from and returns what to
-send as (destination addresses, bytes). Slot state lives in arrays indexed by slot, and each datagram's
+`receive(datagram, source)` takes one datagram and the opaque address it came from and returns the
+replies to send at once as (destination addresses, bytes): JOIN_ACKs, STATUS and shadow results for
+retransmissions. Completed rounds are collected, and `flush()` returns their RESULT datagrams for all
+workers: a server calls it when its socket has nothing more queued, so that when it is busy, the rounds
+completed by many contributions go out in few, full datagrams. Slot state lives in arrays indexed by slot, and each datagram's
 entries are processed together with numpy, as a switch pipeline processes one packet's fields.
 
 The same names as the P4 program (switch_p4/) are used for the per-slot registers:
@@ -81,6 +84,7 @@ class AggregatorMachine:
         self.max_datagram = max_datagram
         self.counters: dict[str, int] = {}
         self.results_sent = 0
+        self.completed: dict[tuple[int, int], list[np.ndarray]] = {}   # (epoch, tensor_blocks) -> slots
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -133,6 +137,7 @@ class AggregatorMachine:
             return []
         if not s.members:
             s.allocate(h.block_size)
+            self.completed.clear()
         s.members[h.rank] = Member(source, h.epoch)
         self.count("joins")
         ack = P.encode(self._header(P.JOIN_ACK, epoch=h.epoch), body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap))
@@ -163,8 +168,9 @@ class AggregatorMachine:
             s.count[b] = 0
             s.min_next[b] = P.END
             s.min_next_exp[b] = P.NO_EXP
+            partial = b[s.has_data[b]]      # an abandoned round left a partial sum behind
+            s.acc[partial] = 0
             s.has_data[b] = False
-            s.acc[b] = 0
 
         current = (s.slot_epoch[slot] == epoch) & (block == s.slot_block[slot])
         dup = current & ((s.bitmap[slot] & rank_bit) != 0)
@@ -215,8 +221,9 @@ class AggregatorMachine:
         if len(done) == 0:
             return []
         # The round is complete: its result becomes the shadow copy, the slot moves to the minimum next.
-        s.shadow[done] = s.acc[done]
-        s.acc[done] = 0
+        with_data = done[s.has_data[done]]   # header-only rounds have nothing to copy or clear
+        s.shadow[with_data] = s.acc[with_data]
+        s.acc[with_data] = 0
         s.prev_epoch[done] = s.slot_epoch[done]
         s.prev_block[done] = s.slot_block[done]
         s.prev_next[done] = s.min_next[done]
@@ -231,8 +238,20 @@ class AggregatorMachine:
         s.min_next_exp[done] = P.NO_EXP
         s.has_data[done] = False
         self.count("rounds", len(done))
-        addresses = [m.address for _, m in sorted(s.members.items())]
-        return [(addresses, r) for r in self._shadow_results(done, d.header.epoch, d.header.tensor_blocks)]
+        self.completed.setdefault((d.header.epoch, d.header.tensor_blocks), []).append(done)
+        return []
+
+    def flush(self) -> list[tuple[list, bytes]]:
+        """RESULT datagrams, for every worker, of the rounds completed since the last flush."""
+        if not self.completed:
+            return []
+        addresses = [m.address for _, m in sorted(self.state.members.items())]
+        out = []
+        for (epoch, tensor_blocks), parts in self.completed.items():
+            slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            out += [(addresses, r) for r in self._shadow_results(slots, epoch, tensor_blocks)]
+        self.completed.clear()
+        return out
 
     def _shadow_results(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> list[bytes]:
         """RESULT datagrams for these slots' previous rounds (a result may need more datagrams than

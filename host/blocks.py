@@ -65,6 +65,16 @@ class BlockView:
             return np.zeros(0, self.flat.dtype)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def store(self, blocks: np.ndarray, rows: np.ndarray) -> None:
+        """Write rows into the given blocks of `flat` (the last block's padding is dropped)."""
+        if self.tail is None or len(blocks) == 0 or blocks.max() < self.nfull:
+            self.full[blocks] = rows
+            return
+        inner = blocks < self.nfull
+        self.full[blocks[inner]] = rows[inner]
+        start = self.nfull * self.block_size
+        self.flat[start:] = rows[~inner][0, : self.flat.size - start]
+
     def _any_bits(self, rows: np.ndarray) -> np.ndarray:
         """Whether each row has a non-zero bit pattern: one pass over the raw integers (-0.0 counts)."""
         return rows.view(np.uint32).max(axis=1) != 0 if rows.shape[1] else np.zeros(len(rows), bool)

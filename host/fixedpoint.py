@@ -9,6 +9,7 @@ sums do not depend on arrival order: every worker gets a bit-identical result.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -20,6 +21,7 @@ _F32_MAX_EXP = 127
 _F32_MIN_EXP = -126
 
 
+@functools.lru_cache(maxsize=None)
 def precision_bits(world: int) -> int:
     if not 1 <= world <= 128:
         raise ValueError(f"world size must be 1..128 for fixed point, got {world}")

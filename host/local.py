@@ -7,13 +7,25 @@ import resource
 CTX = mp.get_context("spawn")
 
 
+def _peak_rss() -> int:
+    """Peak resident memory of this process. (ru_maxrss would include the parent it was forked from.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _aggregator_main(ready, stop, result, workers, kwargs):
     from .aggregator import AggregatorServer
     server = AggregatorServer(workers, kwargs.pop("listen", "127.0.0.1:0"), **kwargs)
     ready.put(server.address[1])
     server.serve(stop=stop.is_set)
     counters = dict(server.machine.counters)
-    counters["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    counters["max_rss_bytes"] = _peak_rss()
     result.put(counters)
     server.close()
 

@@ -16,6 +16,7 @@ from .udp import LossHook, open_socket, parse_address
 from .worker_machine import AllreduceMachine, WorkerConfig
 
 JOIN_INTERVAL = 0.05
+FLUSH_EVERY = 16   # datagrams processed before sending what is ready, even if more are queued
 
 
 @dataclass
@@ -169,33 +170,57 @@ class Worker:
                 f"within {self.timeout:.1f} s")
 
     # -- allreduce ----------------------------------------------------------------------------------
-    def allreduce(self, x):
-        """Sum `x` over all ranks; returns a new array of the same shape and dtype (float32 or int32)."""
+    def allreduce(self, x, out=None):
+        """Sum `x` over all ranks; returns an array of the same shape and dtype (float32 or int32).
+
+        out: where to write the sum (same shape and dtype); `out=x` reduces in place, which avoids
+        allocating and zero-filling a result. By default a new array is returned.
+        """
         if self.sock is None:
             raise ZeroSumError("worker is not open: use `with zerosum.Worker(...) as w:` or call open()")
         arr = np.asarray(x)
         flat = np.ascontiguousarray(arr).reshape(-1)
         view = BlockView(flat, self.block_size)
         sparse = find_nonzero_blocks(view)
-        output = np.zeros((view.nblocks, self.block_size), flat.dtype)
+        if out is None:
+            result = np.zeros(arr.shape, flat.dtype)
+        else:
+            if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != flat.dtype:
+                raise ValueError(f"out must be a {flat.dtype} array of shape {arr.shape}")
+            if not out.flags.c_contiguous:
+                raise ValueError("out must be C-contiguous")
+            result = out
+            if np.may_share_memory(out, flat):
+                if out.ctypes.data != flat.ctypes.data:
+                    raise ValueError("out overlaps x without being x: pass out=x to reduce in place")
+            else:
+                result[...] = 0
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
         if view.nblocks:
             layout = Layout(len(self.aggregators), self.slots, view.nblocks)
-            machine = AllreduceMachine(self.config, self.epoch, view, sparse, layout, output)
+            sink = BlockView(result.reshape(-1), self.block_size)
+            machine = AllreduceMachine(self.config, self.epoch, view, sparse, layout, sink)
             self._run(machine)
         self.stats.allreduces += 1
-        return output.reshape(-1)[: flat.size].reshape(arr.shape)
+        return result
 
     def _run(self, m: AllreduceMachine) -> None:
         self.last = m
         try:
             for a, data in m.start(time.monotonic()):
                 self._send(a, data)
+            backlog = 0
             while not m.done:
-                # Read everything that is queued before judging a timer: under CPU contention a
-                # result may sit in the socket buffer while its column's timer expires.
-                got = self._recv(0.0)
+                # Read everything that is queued before sending or judging timers: results only
+                # mark columns ready, and one flush sends them all (fewer, fuller datagrams when
+                # behind); under CPU contention a result may sit in the buffer while its timer expires.
+                got = self._recv(0.0) if backlog < FLUSH_EVERY else None
                 if got is None:
+                    backlog = 0
+                    for a, data in m.flush(time.monotonic()):
+                        self._send(a, data)
+                    if m.done:
+                        break
                     now = time.monotonic()
                     if now >= m.deadline_at:
                         for a, data in m.poll(now):
@@ -204,8 +229,8 @@ class Worker:
                     got = self._recv(m.deadline_at - now)
                     if got is None:
                         continue
-                for a, data in m.receive(got[0], got[1], time.monotonic()):
-                    self._send(a, data)
+                m.receive(got[0], got[1], time.monotonic())
+                backlog += 1
         finally:
             self.stats.retransmitted_entries += m.retransmitted
             for k, v in m.drops.items():

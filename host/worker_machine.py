@@ -1,8 +1,10 @@
 """The worker's side of one allreduce, as a pure state machine (no sockets, no clocks).
 
 Drive it with `start(now)`, then `receive(aggregator, datagram, now)` for every datagram from an
-aggregator and `poll(now)` when `deadline` has passed; each returns the datagrams to send as
-(aggregator index, bytes). `done` turns true when every column has reached END; `output` then holds
+aggregator, `flush(now)` when there is nothing more to read, and `poll(now)` when `deadline_at` has
+passed; start, flush and poll return the datagrams to send as (aggregator index, bytes). Results only
+mark their columns ready; flush sends all ready columns together, so a worker that has fallen behind
+catches up with fewer, fuller datagrams. `done` turns true when every column has reached END; `output` then holds
 the sum. The caller supplies `now` (seconds, monotonic), so tests can drive time.
 
 Per column the worker keeps the block of the current round and its agreed exponent, and a pointer to
@@ -38,14 +40,15 @@ class WorkerConfig:
 
 class AllreduceMachine:
     def __init__(self, config: WorkerConfig, epoch: int, view: BlockView, sparse: SparseBlocks,
-                 layout: Layout, output: np.ndarray):
+                 layout: Layout, output: BlockView):
         self.cfg = config
         self.epoch = epoch
         self.view = view
         self.layout = layout
         self.B = view.block_size
         self.is_int = view.is_int
-        # output: (nblocks, B) array of the input dtype, zero-filled; blocks nobody sends stay zero.
+        # Where sums are stored. Blocks that no worker sends are not written: the caller provides
+        # zeros there (a zero-filled array, or the input itself, which is zero where nobody sends).
         self.output = output
         self.exp_of = np.append(sparse.exponents, P.NO_EXP)   # the last entry stands for END
         self.header = P.Header(P.DATA, config.job, config.rank, config.world, epoch,
@@ -73,6 +76,10 @@ class AllreduceMachine:
         self.status_seen = np.zeros(S, bool)
         self._scratch = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
         self.last_progress = None
+        self.ready = np.zeros(S, bool)             # columns whose next round's entry is still to send
+        self.columns_of = [np.arange(a, S, layout.aggregators) for a in range(layout.aggregators)]
+        self.aggregator_of_column = layout.aggregator_of(np.arange(S))
+        self.last_heard = np.zeros(layout.aggregators)
         self.bytes_sent = 0
         self.datagrams_sent = 0
         self.retransmitted = 0
@@ -85,7 +92,15 @@ class AllreduceMachine:
 
     @property
     def deadline_at(self) -> float:
-        d = float(self.deadline.min()) if len(self.deadline) else np.inf
+        """When `poll` has work: a column's timer expired *and* its aggregator has been quiet.
+
+        Retransmitting while results still stream in would only add load to a busy aggregator: a lost
+        datagram's columns are retried once the aggregator falls silent.
+        """
+        d = np.inf
+        for a, cols in enumerate(self.columns_of):
+            if len(cols):
+                d = min(d, max(float(self.deadline[cols].min()), self.last_heard[a] + self.base_rto))
         if self.last_progress is not None and not self.done:
             d = min(d, self.last_progress + self.cfg.timeout)
         return d
@@ -103,7 +118,17 @@ class AllreduceMachine:
     # -- events -------------------------------------------------------------------------------------
     def start(self, now: float) -> list[tuple[int, bytes]]:
         self.last_progress = now
-        return self._send(np.arange(self.layout.columns), now)
+        self.last_heard[:] = now
+        self.ready[:] = True
+        return self.flush(now)
+
+    def flush(self, now: float) -> list[tuple[int, bytes]]:
+        """Send the next round's entries of every column that got its result since the last flush."""
+        cols = np.flatnonzero(self.ready)
+        if len(cols) == 0:
+            return []
+        self.ready[cols] = False
+        return self._send(cols, now)
 
     def poll(self, now: float) -> list[tuple[int, bytes]]:
         """Retransmit the columns whose timer expired; raise ZeroSumTimeout when progress stopped."""
@@ -111,7 +136,8 @@ class AllreduceMachine:
             return []
         if now - self.last_progress >= self.cfg.timeout:
             raise ZeroSumTimeout(self._timeout_message(now))
-        due = np.flatnonzero(self.deadline <= now)
+        quiet = self.last_heard + self.base_rto <= now   # the same expression as deadline_at
+        due = np.flatnonzero((self.deadline <= now) & quiet[self.aggregator_of_column])
         if len(due) == 0:
             return []
         self.rto[due] = np.minimum(self.rto[due] * 2, self.cfg.max_rto)
@@ -145,6 +171,7 @@ class AllreduceMachine:
             self._drop("range")
             return []
         cols = self.layout.column_of(aggregator, slots)
+        self.last_heard[aggregator] = now
         if h.type == P.STATUS:
             current = d.block == self.round_block[cols]
             waiting = cols[current]
@@ -183,9 +210,9 @@ class AllreduceMachine:
         if has.any():
             sums = d.data[rows[has]]
             if self.is_int:
-                self.output[block[has]] = sums
+                self.output.store(block[has], sums)
             else:
-                self.output[block[has]] = dequantize(sums, exp[has], self.cfg.world)
+                self.output.store(block[has], dequantize(sums, exp[has], self.cfg.world))
         self.mine_pos[cols[sent_data]] += 1
         if (nxt > self._mine(cols)).any():
             raise ProtocolViolation("aggregator skipped a block this worker still has to send")
@@ -195,9 +222,9 @@ class AllreduceMachine:
         self.rto[cols] = self.base_rto
         self.status_seen[cols] = False
         self.last_progress = now
-        active = cols[nxt != P.END]
         self.deadline[cols] = np.inf
-        return self._send(active, now) if len(active) else []
+        self.ready[cols[nxt != P.END]] = True
+        return []
 
     def _measure(self, samples: np.ndarray) -> None:
         """Adapt the retransmission timeout to the round-trip times seen (RFC 6298)."""

@@ -38,7 +38,7 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
         layout = Layout(len(aggs), granted, view.nblocks)
         cfg = WorkerConfig(rank=r, world=world, job=aggs[0].state.job, max_datagram=max_datagram,
                            timeout=1e9)
-        out = np.zeros((view.nblocks, block_size), x.dtype)
+        out = BlockView(np.zeros(x.size, x.dtype), block_size)
         machines.append(AllreduceMachine(cfg, epoch, view, find_nonzero_blocks(view), layout, out))
     now = 0.0
     queue = []  # (destination kind, index, from, bytes)
@@ -56,8 +56,20 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
     steps = 0
     while not all(m.done for m in machines):
         steps += 1
-        assert steps < max_steps, "simulation did not converge"
+        if steps >= max_steps:
+            m = next(m for m in machines if not m.done)
+            pend = np.flatnonzero(m.round_block != P.END)
+            raise AssertionError(f"simulation did not converge: now={now} queue={len(queue)} "
+                                 f"pending={pend[:5]} deadline={m.deadline[pend[:5]]} heard={m.last_heard} "
+                                 f"rto={m.base_rto} ready={m.ready[pend[:5]]} at={m.deadline_at}")
         if not queue:
+            flushed = False
+            for r, m in enumerate(machines):
+                for a, data in m.flush(now):
+                    post("agg", a, r, data)
+                    flushed = True
+            if flushed:
+                continue
             now = min(m.deadline_at for m in machines if not m.done)
             for r, m in enumerate(machines):
                 for a, data in m.poll(now):
@@ -66,11 +78,17 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
         i = rng.randrange(len(queue)) if rng.random() < reorder else 0
         kind, idx, src, data = queue.pop(i)
         if kind == "agg":
-            for dests, reply in aggs[idx].receive(data, ("w", src)):
+            out = aggs[idx].receive(data, ("w", src))
+            if rng.random() < 0.7 or not any(q[0] == "agg" and q[1] == idx for q in queue):
+                out += aggs[idx].flush()
+            for dests, reply in out:
                 for _, r in dests:
                     post("worker", r, idx, reply)
         else:
-            for a, d2 in machines[idx].receive(src, data, now):
-                post("agg", a, idx, d2)
+            machines[idx].receive(src, data, now)
+            # flush at once or let results pile up, as a busy worker would
+            if rng.random() < 0.7 or not any(q[0] == "worker" and q[1] == idx for q in queue):
+                for a, d2 in machines[idx].flush(now):
+                    post("agg", a, idx, d2)
     n = arrays[0].size
-    return [m.output.reshape(-1)[:n].reshape(arrays[0].shape) for m in machines], machines
+    return [m.output.flat.reshape(arrays[0].shape) for m in machines], machines

@@ -126,7 +126,8 @@ def test_aggregator_round_duplicate_and_shadow():
     (dest, status), = agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0))  # duplicate
     st_ = P.decode(status)
     assert dest == [("w", 0)] and st_.header.type == P.STATUS and st_.entries["next"][0] == 0b01
-    (dest, res), = agg.receive(_data(1, _entry(0, P.BOOT, 6, next_exp=3)), ("w", 1))
+    assert agg.receive(_data(1, _entry(0, P.BOOT, 6, next_exp=3)), ("w", 1)) == []
+    (dest, res), = agg.flush()
     r = P.decode(res)
     assert dest == [("w", 0), ("w", 1)]
     assert (r.entries["block"][0], r.entries["next"][0], r.entries["next_exp"][0]) == (P.BOOT, 2, 1)
@@ -135,7 +136,9 @@ def test_aggregator_round_duplicate_and_shadow():
     assert agg.receive(_data(0, _entry(0, 2, 6, exp=5, next_exp=2, data=True), row), ("w", 0)) == []
     assert agg.counters["drop_mismatch"] == 1
     assert agg.receive(_data(0, _entry(0, 2, 6, exp=1, next_exp=2, data=True), row), ("w", 0)) == []
-    (dest, res), = agg.receive(_data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1))
+    assert agg.receive(_data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1)) == []
+    (dest, res), = agg.flush()
+    assert agg.flush() == []
     r = P.decode(res)
     assert np.array_equal(r.data, row) and r.entries["next"][0] == 6 and r.entries["next_exp"][0] == 3
     # a late retransmission of the completed round gets the shadow copy, to the sender alone
@@ -171,7 +174,7 @@ def test_worker_times_out_naming_the_missing_rank():
     x = np.ones(16, np.float32)
     view = BlockView(x, 4)
     m = AllreduceMachine(WorkerConfig(0, 3, 1, timeout=1.0), 1, view, find_nonzero_blocks(view),
-                         Layout(1, 4, view.nblocks), np.zeros((4, 4), np.float32))
+                         Layout(1, 4, view.nblocks), BlockView(np.zeros(16, np.float32), 4))
     for _, d in m.start(0.0):
         agg.receive(d, ("w", 0))
     # rank 1 contributes, rank 2 never does
@@ -180,7 +183,7 @@ def test_worker_times_out_naming_the_missing_rank():
     with pytest.raises(ZeroSumTimeout, match="waiting for ranks 1, 2"):
         while True:
             t = m.deadline_at
-            for _, d in m.poll(t):
-                for dest, reply in agg.receive(d, ("w", 0)):
+            for _, d in m.poll(t) + m.flush(t):
+                for dest, reply in agg.receive(d, ("w", 0)) + agg.flush():
                     m.receive(0, reply, t)
     assert t >= 1.0

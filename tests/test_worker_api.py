@@ -1,0 +1,89 @@
+"""The public Worker API, with workers as threads of one process and a real aggregator process."""
+import threading
+
+import numpy as np
+import pytest
+
+from procs import Aggregator, sparse_tensor
+import zerosum
+from zerosum.reference import reference_allreduce
+
+
+@pytest.fixture(scope="module")
+def agg3():
+    a = Aggregator(3)
+    yield a
+    a.stop()
+
+
+def run_threads(world, address, fn, **kwargs):
+    results, errors = [None] * world, []
+
+    def body(rank):
+        try:
+            with zerosum.Worker(rank, world, [address], **kwargs) as w:
+                results[rank] = fn(rank, w)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_shapes_in_place_and_out(agg3):
+    xs = [sparse_tensor(r, 3, 7 * 301, 0.5).reshape(7, 301) for r in range(3)]
+    ref = reference_allreduce(xs)
+
+    def fn(rank, w):
+        x = xs[rank].copy()
+        a = w.allreduce(x)                       # a new array, x untouched
+        assert np.array_equal(x, xs[rank])
+        out = np.full_like(x, 7.0)
+        b = w.allreduce(x, out=out)              # into a given (dirty) array
+        assert b is out
+        c = w.allreduce(x, out=x)                # in place
+        assert c is x
+        t = np.asfortranarray(xs[rank])          # non-contiguous input
+        d = w.allreduce(t)
+        e = w.allreduce(xs[rank][:, :0])         # empty
+        return a, b, c, d, e
+
+    for a, b, c, d, e in run_threads(3, agg3.address, fn):
+        for r in (a, b, c, d):
+            assert r.shape == (7, 301) and r.dtype == np.float32 and r.tobytes() == ref.tobytes()
+        assert e.shape == (7, 0)
+
+
+def test_bad_arguments(agg3):
+    with pytest.raises(ValueError, match="rank must be"):
+        zerosum.Worker(3, 3, [agg3.address])
+    with pytest.raises(ValueError, match="world_size"):
+        zerosum.Worker(0, 99, [agg3.address])
+    with pytest.raises(ValueError, match="bad port"):
+        zerosum.Worker(0, 3, ["127.0.0.1:99999"])
+    with pytest.raises(ValueError, match="cannot carry one block"):
+        zerosum.Worker(0, 3, [agg3.address], block_size=256, max_datagram=600)
+    w = zerosum.Worker(0, 3, [agg3.address])
+    with pytest.raises(zerosum.ZeroSumError, match="not open"):
+        w.allreduce(np.zeros(4, np.float32))
+
+    def fn(rank, w):
+        with pytest.raises(TypeError, match="float32 and int32"):
+            w.allreduce(np.zeros(4, np.float64))
+        with pytest.raises(ValueError, match="out must be"):
+            w.allreduce(np.zeros(4, np.float32), out=np.zeros(5, np.float32))
+        x = np.zeros(8, np.float32)
+        with pytest.raises(ValueError, match="overlaps"):
+            w.allreduce(x[:4], out=x[2:6])
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            w.allreduce(np.array([1, np.nan], np.float32))
+        return w.allreduce(np.full(5, rank, np.int32))    # still usable after refused calls
+
+    for r in run_threads(3, agg3.address, fn):
+        assert list(r) == [3] * 5
