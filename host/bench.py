@@ -105,7 +105,7 @@ def _worker_body(events, rank, world, addresses, plan, gloo_port):
 
 
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
-    aggs = [LocalAggregator(world, slots=plan["slots"], **({"listen": f"127.0.0.1:{port + i}"} if port else {}))
+    aggs = [LocalAggregator(world, slots=plan["slots"], listen=f"127.0.0.1:{port + i if port else 0}")
             for i in range(aggregators)]
     events = CTX.Queue()
     gloo_port = _free_port()

@@ -129,3 +129,39 @@ def find_nonzero_blocks(view: BlockView) -> SparseBlocks:
     else:
         exps = block_exponents(maxabs)
     return SparseBlocks(nonzero, exps)
+
+
+class CompactBlocks:
+    """Only the non-zero blocks of a tensor, gathered on its device and copied to the host.
+
+    Offers what the worker state machine reads from a BlockView (`rows` of given blocks), for
+    tensors whose full contents must not be copied to host memory.
+    """
+
+    def __init__(self, blocks: np.ndarray, rows: np.ndarray, nblocks: int, block_size: int):
+        self.blocks = blocks          # sorted block indices
+        self.compact = rows           # their rows, (len(blocks), block_size)
+        self.nblocks = nblocks
+        self.block_size = block_size
+        self.is_int = rows.dtype == np.int32
+
+    def rows(self, blocks: np.ndarray) -> np.ndarray:
+        return self.compact[np.searchsorted(self.blocks, blocks)]
+
+
+class CollectedBlocks:
+    """A result sink that keeps the summed blocks as they arrive (to be scattered on the device)."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self._blocks: list[np.ndarray] = []
+        self._rows: list[np.ndarray] = []
+
+    def store(self, blocks: np.ndarray, rows: np.ndarray) -> None:
+        self._blocks.append(np.array(blocks, np.int64))
+        self._rows.append(np.asarray(rows, self.dtype))
+
+    def collected(self, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        if not self._blocks:
+            return np.zeros(0, np.int64), np.zeros((0, block_size), self.dtype)
+        return np.concatenate(self._blocks), np.concatenate(self._rows)

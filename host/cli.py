@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--job", type=int, default=1, help="job id to serve (others are dropped)")
     a.add_argument("--slots", type=_positive_int, default=2048, help="aggregation slots granted to the job")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
+    a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", type=float, default=0.0, metavar="SECONDS", help="log counters this often")
+    a.add_argument("--announce", action="store_true",
+                   help="print the bound address when ready and the counters as JSON at exit (for scripts)")
 
     def bench_args(b, *, densities, rounds, workers):
         b.add_argument("--workers", type=_positive_int, nargs="+", default=workers,
@@ -104,10 +107,13 @@ def _aggregator(args) -> int:
         raise ValueError(f"--job must be 0..65535, got {args.job}")
     if args.workers > P.MAX_WORLD:
         raise ValueError(f"--workers must be at most {P.MAX_WORLD}, got {args.workers}")
-    server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss)
+    server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address
+    if args.announce:
+        from .local import ANNOUNCE
+        print(ANNOUNCE, f"{host}:{port}", flush=True)
     logging.getLogger("zerosum.aggregator").info(
         "serving job %d for %d workers on %s:%d with %d slots", args.job, args.workers, host, port,
         server.machine.state.slots)
@@ -117,5 +123,9 @@ def _aggregator(args) -> int:
         pass
     finally:
         logging.getLogger("zerosum.aggregator").info("counters: %s", server.counters_line())
+        if args.announce:
+            import json
+            from .local import peak_rss
+            print(json.dumps({**server.machine.counters, "max_rss_bytes": peak_rss()}), flush=True)
         server.close()
     return 0

@@ -1,13 +1,25 @@
-"""Aggregators as local processes on loopback (for the benchmark, the demo and tests)."""
+"""Aggregators as local processes on loopback (for the benchmark, the demo, the torch backend, tests).
+
+The aggregator runs as `python -m zerosum aggregator --announce`, a plain subprocess (so daemonic
+processes, such as multiprocessing workers, can start one too). It prints its address when ready and
+its counters as JSON when it stops.
+"""
 from __future__ import annotations
 
+import atexit
+import ctypes
+import json
 import multiprocessing as mp
 import resource
+import signal
+import subprocess
+import sys
 
 CTX = mp.get_context("spawn")
+ANNOUNCE = "zerosum-aggregator-listening"
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     """Peak resident memory of this process. (ru_maxrss would include the parent it was forked from.)"""
     try:
         with open("/proc/self/status") as f:
@@ -19,37 +31,48 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _aggregator_main(ready, stop, result, workers, kwargs):
-    from .aggregator import AggregatorServer
-    server = AggregatorServer(workers, kwargs.pop("listen", "127.0.0.1:0"), **kwargs)
-    ready.put(server.address[1])
-    server.serve(stop=stop.is_set)
-    counters = dict(server.machine.counters)
-    counters["max_rss_bytes"] = _peak_rss()
-    result.put(counters)
-    server.close()
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, so no aggregator outlives its user (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class LocalAggregator:
-    """An AggregatorServer in its own process; `stop()` ends it and returns its counters."""
+    """A software aggregator in its own process on 127.0.0.1; `stop()` ends it and returns its counters."""
 
-    def __init__(self, workers: int, **kwargs):
-        self._ready, self._stop, self._result = CTX.Queue(), CTX.Event(), CTX.Queue()
-        self.proc = CTX.Process(target=_aggregator_main,
-                                args=(self._ready, self._stop, self._result, workers, kwargs), daemon=True)
-        self.proc.start()
-        try:
-            self.port = self._ready.get(timeout=60)
-        except Exception:
+    def __init__(self, workers: int, *, listen: str = "127.0.0.1:0", job: int = 1, slots: int | None = None,
+                 loss: float = 0.0, seed: int | None = None):
+        cmd = [sys.executable, "-m", "zerosum", "aggregator", "--workers", str(workers), "--listen", listen,
+               "--job", str(job), "--loss", str(loss), "--announce"]
+        if slots:
+            cmd += ["--slots", str(slots)]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     preexec_fn=_die_with_parent)
+        atexit.register(self.stop)
+        line = self.proc.stdout.readline().split()
+        if len(line) != 2 or line[0] != ANNOUNCE:
             self.proc.kill()
-            raise RuntimeError("the aggregator process did not start") from None
-        self.address = f"127.0.0.1:{self.port}"
+            raise RuntimeError(f"the aggregator process did not start (exit code {self.proc.wait()})")
+        self.address = line[1]
+        self.port = int(self.address.rsplit(":", 1)[1])
 
     def stop(self) -> dict:
-        self._stop.set()
+        if self.proc.returncode is not None:
+            return self._counters
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
         try:
-            return self._result.get(timeout=10)
-        finally:
-            self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()
+            out, _ = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        self._counters = {}
+        for line in reversed(out.splitlines()):
+            if line.startswith("{"):
+                self._counters = json.loads(line)
+                break
+        return self._counters

@@ -9,7 +9,8 @@ import numpy as np
 
 from . import protocol as P
 from .aggregator_machine import new_nonce
-from .blocks import BlockView, find_nonzero_blocks
+from . import tensors
+from .blocks import BlockView, CollectedBlocks, find_nonzero_blocks
 from .errors import ZeroSumError, ZeroSumTimeout
 from .layout import Layout
 from .udp import LossHook, open_socket, parse_address
@@ -36,11 +37,14 @@ class Worker:
     aggregators: "HOST:PORT" strings, in the same order on every worker (columns are striped over them).
     timeout: seconds without progress before an allreduce (or the join) fails with ZeroSumTimeout.
     loss: simulated loss rate of this worker's datagrams in both directions (for experiments and tests).
+    gather_on_device: for torch tensors, detect and gather non-zero blocks with torch on the tensor's
+        device and copy only those to the host (default: for non-CPU tensors; True forces it on CPU).
     """
 
     def __init__(self, rank: int, world_size: int, aggregators=("127.0.0.1:48879",), job: int = 1,
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int = P.MAX_DATAGRAM,
-                 rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0"):
+                 rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
+                 gather_on_device: bool | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -67,6 +71,7 @@ class Worker:
         self.slots = 0
         self.epoch = 0
         self.last: AllreduceMachine | None = None
+        self.gather_on_device = gather_on_device
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def __enter__(self) -> "Worker":
@@ -173,11 +178,14 @@ class Worker:
     def allreduce(self, x, out=None):
         """Sum `x` over all ranks; returns an array of the same shape and dtype (float32 or int32).
 
+        x: a numpy array or a torch tensor (on any device; the result is on the same device).
         out: where to write the sum (same shape and dtype); `out=x` reduces in place, which avoids
-        allocating and zero-filling a result. By default a new array is returned.
+        allocating and zero-filling a result. By default a new array/tensor is returned.
         """
         if self.sock is None:
             raise ZeroSumError("worker is not open: use `with zerosum.Worker(...) as w:` or call open()")
+        if tensors.is_tensor(x):
+            return self._allreduce_tensor(x, out)
         arr = np.asarray(x)
         flat = np.ascontiguousarray(arr).reshape(-1)
         view = BlockView(flat, self.block_size)
@@ -195,14 +203,35 @@ class Worker:
                     raise ValueError("out overlaps x without being x: pass out=x to reduce in place")
             else:
                 result[...] = 0
+        self._reduce(view, sparse, BlockView(result.reshape(-1), self.block_size))
+        return result
+
+    def _allreduce_tensor(self, t, out):
+        tensors.check_dtype(t)
+        if out is not None and (not tensors.is_tensor(out) or out.shape != t.shape or out.dtype != t.dtype
+                                or out.device != t.device or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)} "
+                             f"on {t.device}")
+        on_device = self.gather_on_device if self.gather_on_device is not None else t.device.type != "cpu"
+        if not on_device:
+            # CPU tensors share memory with numpy: the numpy path, without copies.
+            src = t.detach()
+            if not src.is_contiguous():
+                src = src.contiguous()
+            res = self.allreduce(src.numpy(), out=None if out is None else out.detach().numpy())
+            return out if out is not None else tensors.torch.from_numpy(res)
+        view, sparse = tensors.gather_nonzero(t, self.block_size)
+        sink = CollectedBlocks(view.compact.dtype)
+        self._reduce(view, sparse, sink)
+        return tensors.scatter_result(t, sink, self.block_size, out)
+
+    def _reduce(self, view, sparse, sink) -> None:
+        """One allreduce: a new epoch, then the state machine until every column is done."""
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
         if view.nblocks:
             layout = Layout(len(self.aggregators), self.slots, view.nblocks)
-            sink = BlockView(result.reshape(-1), self.block_size)
-            machine = AllreduceMachine(self.config, self.epoch, view, sparse, layout, sink)
-            self._run(machine)
+            self._run(AllreduceMachine(self.config, self.epoch, view, sparse, layout, sink))
         self.stats.allreduces += 1
-        return result
 
     def _run(self, m: AllreduceMachine) -> None:
         self.last = m

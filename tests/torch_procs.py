@@ -1,0 +1,137 @@
+"""Process bodies for the torch tests (module level, so spawned processes can import them)."""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import numpy as np
+
+from zerosum.local import CTX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world: int, *args, hang_after: float = 180):
+    """Run fn(rank, world, *args) in `world` processes; return their results by rank (or raise)."""
+    out = CTX.Queue()
+    procs = [CTX.Process(target=_main, args=(out, fn, r, world, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = out.get(timeout=hang_after)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    except queue.Empty:
+        raise AssertionError(f"processes hung; finished: {sorted(results)}") from None
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _main(out, fn, rank, world, args):
+    try:
+        out.put((rank, True, fn(rank, world, *args)))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+
+
+def _init_gloo(rank, world, port):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def versus_gloo(rank, world, port, aggregator, n):
+    """allreduce the same tensors with ZeroSum and with gloo."""
+    import torch
+    import torch.distributed as dist
+    import zerosum
+    _init_gloo(rank, world, port)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, generator=g)
+    x[: n // 2] = 0                                   # half of the blocks are zero
+    xi = torch.randint(-2**20, 2**20, (n,), dtype=torch.int32, generator=g)
+    with zerosum.Worker(rank, world, [aggregator]) as w:
+        zs_f = w.allreduce(x)
+        zs_i = w.allreduce(xi)
+    gf, gi = x.clone(), xi.clone()
+    dist.all_reduce(gf)
+    dist.all_reduce(gi)
+    dist.destroy_process_group()
+    return zs_f.numpy(), zs_i.numpy(), gf.numpy(), gi.numpy(), None
+
+
+def _model(seed):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.EmbeddingBag(5000, 16, mode="sum"), torch.nn.Linear(16, 8),
+                               torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def ddp_training(rank, world, port, aggregator, use_hook, steps):
+    """A few DDP steps of a small embedding model; returns the final parameters."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import zerosum
+    import zerosum.torch as zt
+    _init_gloo(rank, world, port)
+    torch.set_num_threads(1)
+    model = DDP(_model(0), bucket_cap_mb=0.05)
+    worker = state = None
+    if use_hook:
+        worker = zerosum.Worker(rank, world, [aggregator])
+        worker.open()
+        state = zt.register(model, worker)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, 5000, (32, 4), generator=g)
+        y = torch.randn(32, 1, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(idx), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    params = [p.detach().numpy().copy() for p in model.parameters()]
+    if state is not None:
+        state.close()
+        worker.close()
+    dist.destroy_process_group()
+    return params, losses
+
+
+def backend_collectives(rank, world, port, env):
+    """init_process_group("zerosum"): allreduce (ZeroSum and delegated), broadcast, barrier."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(env)
+    import zerosum.torch  # noqa: F401  (registers the backend)
+    dist.init_process_group("zerosum", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    pg = dist.distributed_c10d._get_default_group()
+    t = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    ti = torch.full((300,), rank, dtype=torch.int32)
+    dist.all_reduce(ti)
+    td = torch.full((5,), float(rank + 1), dtype=torch.float64)      # delegated: dtype
+    dist.all_reduce(td)
+    tm = torch.full((5,), float(rank + 1))                            # delegated: op
+    dist.all_reduce(tm, op=dist.ReduceOp.MAX)
+    b = torch.full((4,), float(rank))
+    dist.broadcast(b, src=1)
+    dist.barrier()
+    name = pg.name() if hasattr(pg, "name") else ""
+    dist.destroy_process_group()
+    return t.numpy(), ti.numpy(), td.numpy(), tm.numpy(), b.numpy(), name
