@@ -7,26 +7,25 @@ with it is what makes the result independent of who sent what first.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .blocks import CollectedBlocks, CompactBlocks, SparseBlocks, block_count
 from .fixedpoint import block_exponents
 from .protocol import INT_EXP
 
-try:
-    import torch
-except ImportError:     # torch is optional: numpy arrays work without it
-    torch = None
-
-TORCH_DTYPES = {} if torch is None else {torch.float32: np.float32, torch.int32: np.int32}
 
 
 def is_tensor(x) -> bool:
+    # torch is optional and heavy to import: if the caller has not imported it, x is no tensor
+    torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
 def check_dtype(t) -> None:
-    if t.dtype not in TORCH_DTYPES:
+    import torch
+    if t.dtype not in (torch.float32, torch.int32):
         raise TypeError(f"allreduce supports float32 and int32 tensors, not {t.dtype}")
 
 
@@ -35,6 +34,7 @@ def gather_nonzero(t, block_size: int):
 
     Returns (CompactBlocks on the host, SparseBlocks over all blocks). Raises ValueError on NaN/inf.
     """
+    import torch
     check_dtype(t)
     flat = t.detach().reshape(-1)
     n = flat.numel()
@@ -71,6 +71,7 @@ def gather_nonzero(t, block_size: int):
 
 def scatter_result(t, sink: CollectedBlocks, block_size: int, out=None):
     """Write the collected sums into `out` (or a new zero tensor) on t's device."""
+    import torch
     blocks, rows = sink.collected(block_size)
     n = t.numel()
     nblocks = block_count(n, block_size)

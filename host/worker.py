@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -219,7 +220,7 @@ class Worker:
             if not src.is_contiguous():
                 src = src.contiguous()
             res = self.allreduce(src.numpy(), out=None if out is None else out.detach().numpy())
-            return out if out is not None else tensors.torch.from_numpy(res)
+            return out if out is not None else sys.modules["torch"].from_numpy(res)
         view, sparse = tensors.gather_nonzero(t, self.block_size)
         sink = CollectedBlocks(view.compact.dtype)
         self._reduce(view, sparse, sink)

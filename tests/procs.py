@@ -20,29 +20,40 @@ def sparse_tensor(rank: int, seed: int, n: int, density: float, block_size: int 
     return x
 
 
-def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, exit_after_join):
+def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, exit_after_join, kill_after):
+    import os
+    import signal
+    import threading
     import zerosum
     try:
         with zerosum.Worker(rank, world, addresses, **kwargs) as w:
             if exit_after_join:
                 return
+            if kill_after is not None:     # die hard in the middle of the allreduce
+                threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
             results = [w.allreduce(sparse_tensor(rank, s, n, density, w.block_size, dtype)) for s in seeds]
             out.put((rank, "ok", results, w.stats))
     except Exception as e:  # reported to the test, which asserts on it
         out.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
-def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(), hang_after=120, **kwargs):
-    """Run `world` worker processes; return {rank: (status, payload, extra)} for the live ones."""
+def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(), killed=None,
+                hang_after=120, **kwargs):
+    """Run `world` worker processes; return {rank: (status, payload, extra)} for the live ones.
+
+    dead: ranks that exit right after joining; killed: {rank: seconds} ranks SIGKILLed that long
+    after joining (in the middle of their first allreduce).
+    """
+    killed = killed or {}
     out = CTX.Queue()
     procs = [CTX.Process(target=_worker_main, args=(out, r, world, addresses, seeds, n, density, kwargs,
-                                                    dtype, r in dead), daemon=True)
+                                                    dtype, r in dead, killed.get(r)), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
     results = {}
     try:
-        for _ in range(world - len(dead)):
+        for _ in range(world - len(dead) - len(killed)):
             rank, status, payload, extra = out.get(timeout=hang_after)
             results[rank] = (status, payload, extra)
     except queue.Empty:

@@ -76,6 +76,17 @@ def test_dead_worker_gives_a_clear_error_and_the_aggregator_serves_the_next_run(
     assert counters["job_restarts"] >= 1
 
 
+def test_worker_killed_mid_allreduce():
+    agg = Aggregator(3)
+    try:
+        res = run_workers(3, [agg.address], [9], 4_000_000, 1.0, killed={1: 0.15}, timeout=3.0)
+    finally:
+        agg.stop()
+    for rank in (0, 2):
+        status, msg, _ = res[rank]
+        assert status == "error" and "ZeroSumTimeout" in msg and "waiting for rank 1" in msg, msg
+
+
 def test_no_aggregator_gives_a_clear_error():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("127.0.0.1", 0))      # a port nobody answers on
