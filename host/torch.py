@@ -28,7 +28,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 
 from .worker import Worker
 
-__all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup"]
+__all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup", "worker_from_env"]
 
 
 # -- DDP communication hook ------------------------------------------------------------------------
@@ -74,6 +74,35 @@ def register(ddp_model, worker: Worker) -> HookState:
     return state
 
 
+# -- configuration from the environment -------------------------------------------------------------
+
+def worker_from_env(store, rank: int, world_size: int):
+    """An open Worker configured from ZEROSUM_* variables, and the local aggregator it started (or None).
+
+    Without ZEROSUM_AGGREGATORS, rank 0 starts an aggregator on this machine and publishes its address
+    and a random job id in `store` (a torch.distributed Store), where the other ranks read them.
+    """
+    local = None
+    env = os.environ.get("ZEROSUM_AGGREGATORS")
+    if env:
+        aggregators = [a.strip() for a in env.split(",") if a.strip()]
+        job = int(os.environ.get("ZEROSUM_JOB", 1))
+    else:
+        if rank == 0:
+            from .local import LocalAggregator
+            job = int(os.environ.get("ZEROSUM_JOB", random.randrange(1, 0xFFFF)))
+            local = LocalAggregator(world_size, job=job)
+            store.set("zerosum/aggregators", local.address)
+            store.set("zerosum/job", str(job))
+        aggregators = [store.get("zerosum/aggregators").decode()]
+        job = int(store.get("zerosum/job").decode())
+    worker = Worker(rank, world_size, aggregators, job=job,
+                    block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
+                    timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)))
+    worker.open()
+    return worker, local
+
+
 # -- torch.distributed backend ---------------------------------------------------------------------
 
 _DELEGATED = ["broadcast", "allgather", "_allgather_base", "allgather_coalesced",
@@ -90,26 +119,8 @@ class ZeroSumProcessGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self._rank, self._world = rank, world_size
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
-        self.local_aggregator = None
-        aggregators, job = self._aggregators(store, rank, world_size)
-        self.worker = Worker(rank, world_size, aggregators, job=job,
-                             block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
-                             timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)))
-        self.worker.open()
+        self.worker, self.local_aggregator = worker_from_env(store, rank, world_size)
         self._lock = threading.Lock()
-
-    def _aggregators(self, store, rank, world_size):
-        env = os.environ.get("ZEROSUM_AGGREGATORS")
-        if env:
-            return [a.strip() for a in env.split(",") if a.strip()], int(os.environ.get("ZEROSUM_JOB", 1))
-        # No aggregator given: rank 0 runs one on this machine and tells the others through the store.
-        if rank == 0:
-            from .local import LocalAggregator
-            job = int(os.environ.get("ZEROSUM_JOB", random.randrange(1, 0xFFFF)))
-            self.local_aggregator = LocalAggregator(world_size, job=job)
-            store.set("zerosum/aggregators", self.local_aggregator.address)
-            store.set("zerosum/job", str(job))
-        return [store.get("zerosum/aggregators").decode()], int(store.get("zerosum/job").decode())
 
     def getBackendName(self):
         return "zerosum"

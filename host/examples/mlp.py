@@ -1,0 +1,33 @@
+"""A small dense MLP classifier on synthetic data: dense gradients, ZeroSum's worst case.
+
+    torchrun --nproc-per-node 4 -m zerosum.examples.mlp
+"""
+from __future__ import annotations
+
+import torch
+
+from .harness import parse_args, train
+
+FEATURES, HIDDEN, CLASSES = 128, 512, 10
+_TRUTH = torch.Generator().manual_seed(4321)
+_W = torch.randn(FEATURES, CLASSES, generator=_TRUTH)
+
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def batch(gen, size):
+    x = torch.randn(size, FEATURES, generator=gen)
+    return (x,), (x @ _W).argmax(1)
+
+
+def main():
+    args = parse_args(__doc__, steps=30, batch=128, lr=0.05)
+    train(model, batch, torch.nn.functional.cross_entropy, args)
+
+
+if __name__ == "__main__":
+    main()
