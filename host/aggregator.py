@@ -29,15 +29,20 @@ class AggregatorServer:
         self.loss = LossHook(loss, seed)
         self.address = self.sock.getsockname()
 
-    def serve(self, stop=None, stats_interval: float = 0.0) -> None:
-        """Serve until `stop()` is true (checked at least every 0.2 s) or forever."""
+    def serve(self, stop=None, stats_interval: float = 0.0, idle_exit: float = 0.0) -> None:
+        """Serve until `stop()` is true (checked at least every 0.2 s), or, with idle_exit, until
+        workers have been silent for that many seconds after data arrived; otherwise forever."""
         buf = bytearray(P.MAX_DATAGRAM + 1)
         view = memoryview(buf)
         sock, machine = self.sock, self.machine
         sock.settimeout(0.2)
         next_stats = time.monotonic() + stats_interval if stats_interval else float("inf")
         backlog = 0
+        last_data = None
         while stop is None or not stop():
+            if idle_exit and last_data is not None and time.monotonic() - last_data > idle_exit:
+                log.info("no datagrams for %.1f s: exiting", idle_exit)
+                return
             # Block only when nothing is pending; otherwise drain what is queued, then flush the
             # completed rounds together (at least every FLUSH_EVERY datagrams).
             sock.settimeout(0.0 if machine.completed and backlog < FLUSH_EVERY else 0.2)
@@ -49,6 +54,7 @@ class AggregatorServer:
                 continue
             if n:
                 backlog += 1
+                last_data = time.monotonic()
                 if not self.loss.drop():
                     self._send(machine.receive(view[:n], addr))
             if not n or backlog >= FLUSH_EVERY:

@@ -1,4 +1,4 @@
-"""The `zerosum` command: aggregator, bench, demo."""
+"""The `zerosum` command: aggregator, bench, demo, check."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", type=float, default=0.0, metavar="SECONDS", help="log counters this often")
+    a.add_argument("--idle-exit", type=float, default=0.0, metavar="SECONDS",
+                   help="exit once workers have been silent this long after some data arrived (0: never)")
     a.add_argument("--announce", action="store_true",
                    help="print the bound address when ready and the counters as JSON at exit (for scripts)")
 
@@ -81,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="OmniReduce microbenchmark: ZeroSum vs torch gloo allreduce")
     bench_args(b, densities=[1.0, 0.8, 0.4, 0.2, 0.1, 0.04, 0.01], rounds=3, workers=[2, 4, 8])
+    c = sub.add_parser("check", help="one rank of a multi-host correctness run (exit 1 on any wrong sum)")
+    c.add_argument("--rank", type=int, required=True)
+    c.add_argument("--world", type=_positive_int, required=True)
+    c.add_argument("--aggregators", nargs="+", default=[f"127.0.0.1:{P.DEFAULT_PORT}"], metavar="HOST:PORT")
+    c.add_argument("--job", type=int, default=1)
+    c.add_argument("--size", type=_positive_int, default=1_000_000, help="floats per tensor")
+    c.add_argument("--densities", type=_densities, default=[1.0, 0.1, 0.01])
+    c.add_argument("--block-size", type=_positive_int, default=256)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at this worker")
+    c.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")
+    c.add_argument("--results", default="", help="directory for rank-N.json")
     d = sub.add_parser("demo", help="the main job: aggregator + 4 workers on loopback, a few densities")
     bench_args(d, densities=[1.0, 0.1, 0.01], rounds=3, workers=[4])
     return p
@@ -92,6 +106,11 @@ def main(argv=None) -> int:
     try:
         if args.command == "aggregator":
             return _aggregator(args)
+        if args.command == "check":
+            from .check import run_check
+            if not 0 <= args.rank < args.world:
+                raise ValueError(f"--rank must be 0..{args.world - 1}, got {args.rank}")
+            return run_check(args)
         from .bench import run_from_args
         return run_from_args(args)
     except (ValueError, OSError) as e:
@@ -118,7 +137,7 @@ def _aggregator(args) -> int:
         "serving job %d for %d workers on %s:%d with %d slots", args.job, args.workers, host, port,
         server.machine.state.slots)
     try:
-        server.serve(stop=lambda: bool(stopping), stats_interval=args.stats)
+        server.serve(stop=lambda: bool(stopping), stats_interval=args.stats, idle_exit=args.idle_exit)
     except KeyboardInterrupt:
         pass
     finally:

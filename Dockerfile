@@ -1,0 +1,20 @@
+# One image for every testbed role (see docker-compose.yml and testbed/entrypoint.sh).
+# Without network access in the build, run testbed/wheelhouse.sh first: the image then installs from
+# testbed/wheelhouse with --no-index. BASE_IMAGE may be a local image from testbed/make-base-image.sh.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md /src/
+COPY host /src/host
+COPY testbed/wheelhouse /wheelhouse
+RUN python3 -m venv /opt/zerosum \
+ && if ls /wheelhouse/zerosum-*.whl >/dev/null 2>&1; then \
+        /opt/zerosum/bin/pip install --no-index --find-links /wheelhouse zerosum; \
+    else \
+        /opt/zerosum/bin/pip install /src; \
+    fi \
+ && rm -rf /wheelhouse /root/.cache
+ENV PATH=/opt/zerosum/bin:$PATH
+COPY testbed/entrypoint.sh /usr/local/bin/zerosum-testbed
+ENTRYPOINT ["zerosum-testbed"]
+CMD ["worker"]

@@ -1,0 +1,76 @@
+"""The docker-compose testbed: build the image, bring up an aggregator and 4 workers, check every sum."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.docker
+
+
+def _ok(cmd) -> bool:
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def _compose() -> list[str]:
+    if shutil.which("docker") and _ok(["docker", "compose", "version"]):
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    if not shutil.which("docker") or not _ok(["docker", "info"]):
+        pytest.skip("no Docker engine is reachable (`docker info` fails)")
+    compose = _compose()
+    base = os.environ.get("BASE_IMAGE")
+    if not base:
+        for candidate in ("python:3.11-slim", "zerosum-base:bookworm"):
+            if _ok(["docker", "image", "inspect", candidate]):
+                base = candidate
+                break
+    if not base:
+        pytest.skip("no base image: pull python:3.11-slim or run testbed/make-base-image.sh")
+    wheels = subprocess.run([str(ROOT / "testbed" / "wheelhouse.sh")], capture_output=True, text=True)
+    assert wheels.returncode == 0, wheels.stderr[-2000:]
+    env = dict(os.environ, BASE_IMAGE=base, SIZE="300000", DENSITIES="1.0,0.1,0.01")
+    project = ["-p", "zerosumtest"]
+    build = subprocess.run(compose + project + ["build"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+
+    def up(**extra):
+        results = ROOT / "testbed" / "results"
+        shutil.rmtree(results, ignore_errors=True)
+        r = subprocess.run(compose + project + ["up", "--exit-code-from", "worker0"], cwd=ROOT,
+                           env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        reports = [json.loads((results / f"rank-{k}.json").read_text())
+                   for k in range(4) if (results / f"rank-{k}.json").exists()]
+        return r, reports
+
+    yield up
+    subprocess.run(compose + project + ["down"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+
+
+def _check(r, reports):
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert len(reports) == 4, r.stdout[-4000:]
+    for rep in reports:
+        assert rep["ok"] and rep["ranks_exact"] == 4
+        assert [run["exact"] for run in rep["runs"]] == [True, True, True]
+
+
+def test_testbed_four_workers_exact(testbed):
+    _check(*testbed())
+
+
+def test_testbed_with_loss(testbed):
+    r, reports = testbed(LOSS="3%")
+    _check(r, reports)
+    assert "loss 3%" in r.stdout
+    assert sum(rep["retransmitted_entries"] for rep in reports) > 0
