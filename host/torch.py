@@ -21,6 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
@@ -36,8 +37,9 @@ __all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup", "wo
 class HookState:
     """The worker and the single background thread that runs its allreduces in bucket order."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, compressor=None):
         self.worker = worker
+        self.compressor = compressor     # a zerosum.compression.Compressor, or None for the plain sum
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerosum-hook")
         self.buckets = 0
 
@@ -56,10 +58,20 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     world = state.worker.world_size
     state.buckets += 1
 
+    key = bucket.index()
+
     def run():
         try:
-            out = state.worker.allreduce(buffer, out=buffer)
-            fut.set_result(out.div_(world))
+            if state.compressor is None:
+                out = state.worker.allreduce(buffer, out=buffer)
+                fut.set_result(out.div_(world))
+                return
+            # Compressors work on host arrays; they return the averaged estimate themselves.
+            grad = buffer.detach().cpu().numpy()
+            contribution = state.compressor.compress(grad, key)
+            estimate = state.compressor.decompress(state.worker.allreduce(contribution), world, key)
+            buffer.copy_(torch.from_numpy(np.ascontiguousarray(estimate, np.float32)).reshape(buffer.shape))
+            fut.set_result(buffer)
         except BaseException as e:   # the training loop sees it when it waits on the Future
             fut.set_exception(e)
 
@@ -67,9 +79,10 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     return fut
 
 
-def register(ddp_model, worker: Worker) -> HookState:
-    """Send `ddp_model`'s gradient buckets through `worker` (an open zerosum.Worker)."""
-    state = HookState(worker)
+def register(ddp_model, worker: Worker, compressor=None) -> HookState:
+    """Send `ddp_model`'s gradient buckets through `worker` (an open zerosum.Worker), optionally
+    compressed by a zerosum.compression.Compressor (its state is kept per bucket)."""
+    state = HookState(worker, compressor)
     ddp_model.register_comm_hook(state, allreduce_hook)
     return state
 

@@ -1,0 +1,152 @@
+"""Compressors: selection, unbiasedness, error-feedback identities, DIANA, wire accounting."""
+import numpy as np
+import pytest
+
+from zerosum import compression as C
+from zerosum.compression.base import block_rows
+
+
+def grad(n=4096, seed=0):
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32) * \
+        np.repeat(np.random.default_rng(seed + 1).random(-(-n // 256)) * 10, 256)[:n].astype(np.float32)
+
+
+def nonzero_blocks(x, B=256):
+    rows, _ = block_rows(x, B)
+    return np.flatnonzero(np.abs(rows).max(axis=1) > 0)
+
+
+def test_topk_blocks_selects_largest_and_keeps_the_rest():
+    g = grad()
+    c = C.TopKBlocks(density=0.25)
+    sent = c.compress(g, "a")
+    rows, _ = block_rows(g, 256)
+    norms = (rows ** 2).sum(axis=1)
+    assert set(nonzero_blocks(sent)) == set(np.argsort(norms)[-4:])
+    assert np.array_equal(sent + c.ef.memory["a"], g)                # nothing is lost
+    g2 = grad(seed=5)
+    sent2 = c.compress(g2, "a")
+    assert np.allclose(sent2 + c.ef.memory["a"], g - sent + g2)       # m ← m + g − sent
+    assert C.wire_bytes(sent) < C.wire_bytes(g) / 3
+
+
+def test_topk_elements_counts_and_feedback():
+    g = grad()
+    c = C.TopKElements(density=0.01)
+    sent = c.compress(g, 0)
+    assert np.count_nonzero(sent) == 41
+    assert np.array_equal(sent + c.ef.memory[0], g)
+    # scattered non-zeros: far more blocks on the wire than the same volume of top blocks would need
+    assert len(nonzero_blocks(sent)) > 1
+
+
+def test_random_k_blocks_is_unbiased():
+    g = grad(n=2048)
+    c = C.RandomKBlocks(world=4, seed=1)            # m = 8 blocks, tau = 2
+    draws = [c.compress(g) for _ in range(4000)]
+    assert all(len(nonzero_blocks(d)) == 2 for d in draws[:20])
+    mean = np.mean(draws, axis=0)
+    assert np.abs(mean - g).max() < 0.1 * np.abs(g).max()
+    assert np.abs(mean - g).mean() < 0.03 * np.abs(g).mean() + 0.02
+
+
+def test_qsgd_levels_and_unbiasedness():
+    g = grad(n=512)
+    c = C.QSGD(levels=4, seed=2)
+    q = c.compress(g)
+    rows, _ = block_rows(g, 256)
+    norms = np.sqrt((rows ** 2).sum(axis=1))
+    levels = np.abs(block_rows(q, 256)[0]) / norms[:, None] * 4
+    assert np.allclose(levels, np.round(levels), atol=1e-4)          # multiples of norm/s
+    mean = np.mean([c.compress(g) for _ in range(3000)], axis=0)
+    assert np.abs(mean - g).mean() < 0.05 * np.abs(g).mean()
+
+
+def test_terngrad_is_ternary_and_unbiased_without_clipping():
+    g = grad(n=512)
+    c = C.TernGrad(clip=0, seed=3)
+    t = c.compress(g)
+    s = np.abs(g).max()
+    assert set(np.unique(np.abs(t))) <= {0.0, np.float32(s)}
+    mean = np.mean([c.compress(g) for _ in range(4000)], axis=0)
+    assert np.abs(mean - g).mean() < 0.05 * np.abs(g).mean()
+
+
+def test_sign_error_feedback_memory():
+    g = grad(n=700)
+    c = C.SignEF()
+    d = c.compress(g, "k")
+    assert np.allclose(d + c.memory["k"], g, atol=1e-5)
+    rows, _ = block_rows(d, 256)
+    for r in rows[:2]:
+        assert len(np.unique(np.abs(r))) == 1                          # one magnitude per block
+
+
+def test_dgc_warmup_masking_and_conservation():
+    c = C.DGC(density=0.001, momentum=0.9, blockwise=True, block_size=16, seed=0)
+    c.set_epoch(0)
+    assert c.density == 0.25
+    g = grad(n=16 * 400)
+    sent = c.compress(g, 0)
+    assert 0.15 < len(nonzero_blocks(sent, 16)) / 400 < 0.35
+    # what is sent plus what stays accumulated is everything accumulated so far (u_1 = g, v_1 = g)
+    assert np.allclose(sent + c.v[0], g)
+    assert np.all(c.u[0][sent != 0] == 0) and np.all(c.v[0][sent != 0] == 0)
+    c.set_epoch(9)
+    assert c.density == 0.001
+
+
+def test_adaptive_k_maximises_decrease_per_byte():
+    g = grad(n=256 * 64)
+    c = C.AdaptiveTopKBlocks()
+    rows, _ = block_rows(g, 256)
+    k = c.choose_k(rows)
+    norms = np.sort((rows.astype(np.float64) ** 2).sum(axis=1))[::-1]
+    ratios = [norms[:j].sum() / c.cost(np.array(j), 64) for j in range(1, 65)]
+    assert k == int(np.argmax(ratios)) + 1
+    assert k > 1                       # header and entry costs make k = 1 a bad deal
+    sent = c.compress(g, 0)
+    assert len(nonzero_blocks(sent)) == c.history[-1]
+
+
+def _quadratic(n_workers=4, d=64, seed=0):
+    rng = np.random.default_rng(seed)
+    A = [rng.standard_normal((d, d)).astype(np.float64) / np.sqrt(d) + np.eye(d) for _ in range(n_workers)]
+    b = [rng.standard_normal(d) * 3 for _ in range(n_workers)]
+    H = sum(a.T @ a for a in A) / n_workers
+    x_star = np.linalg.solve(H, sum(a.T @ bb for a, bb in zip(A, b)) / n_workers)
+    f = lambda x: sum(0.5 * np.sum((a @ x - bb) ** 2) for a, bb in zip(A, b)) / n_workers
+    grads = lambda x: [(a.T @ (a @ x - bb)).astype(np.float32) for a, bb in zip(A, b)]
+    return f, grads, x_star, d
+
+
+@pytest.mark.parametrize("shifts", [True, False])
+def test_diana_converges_linearly_where_plain_compression_stalls(shifts):
+    f, grads, x_star, d = _quadratic()
+    n = 4
+    inner = [C.RandomKBlocks(world=n, seed=7, rank=r, block_size=8) for r in range(n)]   # m=8, tau=2
+    omega = 8 / 2 - 1
+    comp = [C.DIANA(inner[r], omega=omega) if shifts else inner[r] for r in range(n)]
+    x = np.zeros(d)
+    gamma = 0.05
+    for _ in range(3000):
+        contributions = [c.compress(g, 0) for c, g in zip(comp, grads(x))]
+        total = np.sum(contributions, axis=0)                  # what the aggregator returns
+        ests = [c.decompress(total, n, 0) for c in comp]
+        assert all(np.array_equal(e, ests[0]) for e in ests)   # every worker computes the same step
+        x = x - gamma * ests[0].astype(np.float64)
+    gap = f(x) - f(x_star)
+    if shifts:
+        assert gap < 1e-6
+    else:
+        assert gap > 1e-3            # the compression noise of raw gradients never vanishes
+
+
+def test_diana_shift_update():
+    inner = C.RandomKBlocks(world=2, seed=0, block_size=4)
+    c = C.DIANA(inner, omega=1.0)
+    g = np.arange(16, dtype=np.float32)
+    delta = c.compress(g, 0)
+    assert np.array_equal(c.h_local[0], 0.5 * delta)
+    est = c.decompress(delta * 2, 2, 0)
+    assert np.array_equal(est, delta) and np.array_equal(c.h[0], 0.5 * delta)
