@@ -150,3 +150,40 @@ def test_diana_shift_update():
     assert np.array_equal(c.h_local[0], 0.5 * delta)
     est = c.decompress(delta * 2, 2, 0)
     assert np.array_equal(est, delta) and np.array_equal(c.h[0], 0.5 * delta)
+
+
+def test_compressed_allreduce_through_a_real_aggregator():
+    from procs import Aggregator
+    from test_worker_api import run_threads
+    agg = Aggregator(3)
+    try:
+        gs = [grad(n=256 * 40, seed=r) for r in range(3)]
+
+        def fn(rank, w):
+            c = C.TopKBlocks(density=0.1)
+            est = C.allreduce(w, gs[rank], c, key="w")
+            return est, c.compress(gs[rank] * 0, key="other")
+
+        outs = run_threads(3, agg.address, fn)
+    finally:
+        agg.stop()
+    sent = [C.TopKBlocks(density=0.1).compress(g) for g in gs]
+    expected = np.sum(sent, axis=0) / 3
+    for est, _ in outs:
+        assert est.tobytes() == outs[0][0].tobytes()
+        assert np.allclose(est, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_ddp_hook_with_a_compressor():
+    pytest.importorskip("torch", reason="torch is not installed")
+    from procs import Aggregator
+    from torch_procs import ddp_training, free_port, spawn
+    agg = Aggregator(2)
+    try:
+        res = spawn(ddp_training, 2, free_port(), agg.address, "topk", 4)
+    finally:
+        agg.stop()
+    (p0, l0), (p1, _) = res
+    for a, b in zip(p0, p1):
+        assert a.tobytes() == b.tobytes()
+    assert l0[-1] < l0[0] * 1.5          # it trains (the loss does not blow up)

@@ -93,7 +93,11 @@ def ddp_training(rank, world, port, aggregator, use_hook, steps):
     if use_hook:
         worker = zerosum.Worker(rank, world, [aggregator])
         worker.open()
-        state = zt.register(model, worker)
+        compressor = None
+        if use_hook == "topk":
+            from zerosum.compression import TopKBlocks
+            compressor = TopKBlocks(density=0.2)
+        state = zt.register(model, worker, compressor=compressor)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
