@@ -49,18 +49,23 @@ def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(
     procs = [CTX.Process(target=_worker_main, args=(out, r, world, addresses, seeds, n, density, kwargs,
                                                     dtype, r in dead, killed.get(r)), daemon=True)
              for r in range(world)]
+    reports = collect(procs, out, world - len(dead) - len(killed), hang_after)
+    return {rank: (status, payload, extra) for rank, status, payload, extra in reports}
+
+
+def collect(procs, out, expected: int, hang_after: float) -> list[tuple]:
+    """Start `procs`, take `expected` reports (tuples starting with the rank) from `out`, reap them."""
     for p in procs:
         p.start()
-    results = {}
+    reports = []
     try:
-        for _ in range(world - len(dead) - len(killed)):
-            rank, status, payload, extra = out.get(timeout=hang_after)
-            results[rank] = (status, payload, extra)
+        for _ in range(expected):
+            reports.append(out.get(timeout=hang_after))
     except queue.Empty:
-        raise AssertionError(f"workers hung: only ranks {sorted(results)} reported") from None
+        raise AssertionError(f"processes hung: only ranks {sorted(r[0] for r in reports)} reported") from None
     finally:
         for p in procs:
-            p.join(10)
+            p.join(20)
             if p.is_alive():
                 p.kill()
-    return results
+    return reports

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import traceback
 
 import numpy as np
 
+from procs import collect
 from zerosum.local import CTX
 
 
@@ -21,22 +21,11 @@ def spawn(fn, world: int, *args, hang_after: float = 180):
     """Run fn(rank, world, *args) in `world` processes; return their results by rank (or raise)."""
     out = CTX.Queue()
     procs = [CTX.Process(target=_main, args=(out, fn, r, world, args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
     results = {}
-    try:
-        for _ in range(world):
-            rank, ok, value = out.get(timeout=hang_after)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    except queue.Empty:
-        raise AssertionError(f"processes hung; finished: {sorted(results)}") from None
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
+    for rank, ok, value in collect(procs, out, world, hang_after):
+        if not ok:
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results[rank] = value
     return [results[r] for r in range(world)]
 
 
