@@ -3,15 +3,17 @@
 # testbed/wheelhouse with --no-index. BASE_IMAGE may be a local image from testbed/make-base-image.sh.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+# WITH_TORCH=1 installs torch too (CPU build), for TASK=train (the training example across containers)
+ARG WITH_TORCH=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
 COPY pyproject.toml README.md /src/
 COPY host /src/host
 COPY testbed/wheelhouse /wheelhouse
 RUN python3 -m venv /opt/zerosum \
  && if ls /wheelhouse/zerosum-*.whl >/dev/null 2>&1; then \
-        /opt/zerosum/bin/pip install --no-index --find-links /wheelhouse zerosum; \
+        /opt/zerosum/bin/pip install --no-index --find-links /wheelhouse "zerosum$( [ "$WITH_TORCH" = 1 ] && echo '[torch]')"; \
     else \
-        /opt/zerosum/bin/pip install /src; \
+        /opt/zerosum/bin/pip install "/src$( [ "$WITH_TORCH" = 1 ] && echo '[torch]')"; \
     fi \
  && rm -rf /wheelhouse /root/.cache
 ENV PATH=/opt/zerosum/bin:$PATH

@@ -15,10 +15,22 @@ aggregator)
             extra="--loss $LOSS"
         fi
     fi
+    # Training runs gloo first and leaves ZeroSum idle meanwhile: wait longer before exiting.
+    idle="${IDLE_EXIT:-15}"
+    [ "${TASK:-check}" = train ] && idle="${IDLE_EXIT:-600}"
     exec zerosum aggregator --workers "${WORKERS:-4}" --listen "0.0.0.0:${PORT:-48879}" --job "${JOB:-1}" \
-        --idle-exit "${IDLE_EXIT:-15}" $extra
+        --idle-exit "$idle" $extra
     ;;
 worker)
+    if [ "${TASK:-check}" = train ]; then
+        # The training example across containers: one process per container, rank 0 is the master.
+        python3 -c "import torch" 2>/dev/null || { echo "testbed: TASK=train needs an image built with WITH_TORCH=1" >&2; exit 2; }
+        export ZEROSUM_AGGREGATORS="${AGGREGATORS:-aggregator:48879}" ZEROSUM_JOB="${JOB:-1}"
+        export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-eth0}" OMP_NUM_THREADS=1
+        exec torchrun --nnodes "${WORKERS:-4}" --nproc-per-node 1 --node-rank "$RANK" \
+            --master-addr "${MASTER_ADDR:-172.28.5.10}" --master-port "${MASTER_PORT:-29500}" \
+            -m "zerosum.examples.${EXAMPLE:-embedding}" --steps "${STEPS:-20}"
+    fi
     exec zerosum check --rank "${RANK:?set RANK}" --world "${WORKERS:-4}" \
         --aggregators ${AGGREGATORS:-aggregator:48879} --job "${JOB:-1}" --size "${SIZE:-1000000}" \
         --densities "${DENSITIES:-1.0,0.1,0.01}" --timeout "${TIMEOUT:-60}" --results /results

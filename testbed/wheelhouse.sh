@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=testbed/wheelhouse
-rm -f "$out"/*.whl
-python3 -m pip wheel -q -w "$out" .
+rm -f "$out"/zerosum-*.whl
+# WITH_TORCH=1 adds torch (CPU build) for the training example in the testbed.
+if [ "${WITH_TORCH:-0}" = 1 ]; then
+    python3 -m pip wheel -q -w "$out" '.[torch]'
+else
+    rm -f "$out"/torch-*.whl
+    python3 -m pip wheel -q -w "$out" .
+fi
 ls "$out"

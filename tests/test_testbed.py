@@ -36,13 +36,16 @@ def testbed():
                 break
     if not base:
         pytest.skip("no base image: pull python:3.11-slim or run testbed/make-base-image.sh")
-    wheels = subprocess.run([str(ROOT / "testbed" / "wheelhouse.sh")], capture_output=True, text=True)
-    assert wheels.returncode == 0, wheels.stderr[-2000:]
-    env = dict(os.environ, BASE_IMAGE=base, SIZE="300000", DENSITIES="1.0,0.1,0.01")
+    env = dict(os.environ, BASE_IMAGE=base, SIZE="300000", DENSITIES="1.0,0.1,0.01", WITH_TORCH="0")
     project = ["-p", "zerosumtest"]
-    build = subprocess.run(compose + project + ["build"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=900)
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+
+    def build(**extra):
+        wheels = subprocess.run([str(ROOT / "testbed" / "wheelhouse.sh")], capture_output=True, text=True,
+                                env={**env, **extra}, timeout=900)
+        assert wheels.returncode == 0, wheels.stderr[-2000:]
+        r = subprocess.run(compose + project + ["build"], cwd=ROOT, env={**env, **extra}, capture_output=True,
+                           text=True, timeout=1200)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     def up(**extra):
         results = ROOT / "testbed" / "results"
@@ -53,6 +56,9 @@ def testbed():
                    for k in range(4) if (results / f"rank-{k}.json").exists()]
         return r, reports
 
+    subprocess.run(compose + project + ["down"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+    build()
+    up.build = build
     yield up
     subprocess.run(compose + project + ["down"], cwd=ROOT, env=env, capture_output=True, timeout=300)
 
@@ -74,3 +80,12 @@ def test_testbed_with_loss(testbed):
     _check(r, reports)
     assert "loss 3%" in r.stdout
     assert sum(rep["retransmitted_entries"] for rep in reports) > 0
+
+
+def test_testbed_training_example(testbed):
+    """The embedding example across the containers (torchrun, one process each), gloo then ZeroSum."""
+    testbed.build(WITH_TORCH="1")
+    r, _ = testbed(TASK="train", STEPS="5")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if " zerosum " in f" {line} " and "True" in line]
+    assert rows and "speedup over gloo" in r.stdout, r.stdout[-4000:]

@@ -76,6 +76,8 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
         })
     if rank == 0:
         _print(reports, world)
+    if not all(r["identical_on_all_ranks"] for r in reports if r["mode"] == "zerosum"):
+        raise SystemExit("ZeroSum left different parameters on different ranks")
     if worker is not None:
         worker.close()
     if local is not None:
