@@ -131,24 +131,6 @@ def find_nonzero_blocks(view: BlockView) -> SparseBlocks:
     return SparseBlocks(nonzero, exps)
 
 
-class CompactBlocks:
-    """Only the non-zero blocks of a tensor, gathered on its device and copied to the host.
-
-    Offers what the worker state machine reads from a BlockView (`rows` of given blocks), for
-    tensors whose full contents must not be copied to host memory.
-    """
-
-    def __init__(self, blocks: np.ndarray, rows: np.ndarray, nblocks: int, block_size: int):
-        self.blocks = blocks          # sorted block indices
-        self.compact = rows           # their rows, (len(blocks), block_size)
-        self.nblocks = nblocks
-        self.block_size = block_size
-        self.is_int = rows.dtype == np.int32
-
-    def rows(self, blocks: np.ndarray) -> np.ndarray:
-        return self.compact[np.searchsorted(self.blocks, blocks)]
-
-
 class CollectedBlocks:
     """A result sink that keeps the summed blocks as they arrive (to be scattered on the device)."""
 

@@ -1,9 +1,11 @@
 """torch tensors in `Worker.allreduce`: CPU tensors share memory with numpy; on other devices (CUDA)
-block detection and gathering run on the device and only the non-zero blocks visit host memory.
+block detection, gathering and quantisation run on the device and only the non-zero blocks, as int32,
+visit host memory.
 
-Quantisation to int32 happens on the host for those gathered blocks: the agreed exponent of a block
-(the maximum over the workers that have it) is only known while the column streams, and quantising
-with it is what makes the result independent of who sent what first.
+Quantisation is lazy: the agreed exponent of a block (the maximum over the workers that have it) is
+only known while its column streams, so the worker state machine asks `DeviceBlocks.quantized` for
+the blocks of each datagram it builds. Scaling by a power of two and rounding half to even give the
+same integers on every device as numpy's path, so results stay bit-identical across workers.
 """
 from __future__ import annotations
 
@@ -11,9 +13,43 @@ import sys
 
 import numpy as np
 
-from .blocks import CollectedBlocks, CompactBlocks, SparseBlocks, block_count
-from .fixedpoint import block_exponents
+from .blocks import CollectedBlocks, SparseBlocks, block_count
+from .fixedpoint import block_exponents, precision_bits
 from .protocol import INT_EXP
+
+_F32_MIN_EXP, _F32_MAX_EXP = -126, 127
+
+
+class DeviceBlocks:
+    """The non-zero blocks of a tensor, kept on its device (what the worker state machine reads)."""
+
+    def __init__(self, blocks: np.ndarray, compact, nblocks: int, block_size: int):
+        self.blocks = blocks              # sorted block indices (host)
+        self.compact = compact            # their rows on the device, (len(blocks), block_size)
+        self.nblocks = nblocks
+        self.block_size = block_size
+        self.is_int = str(compact.dtype) == "torch.int32"
+
+    def _index(self, blocks: np.ndarray):
+        import torch
+        pos = np.searchsorted(self.blocks, blocks)
+        return torch.from_numpy(pos).to(self.compact.device)
+
+    def rows(self, blocks: np.ndarray) -> np.ndarray:
+        return self.compact.index_select(0, self._index(blocks)).cpu().numpy()
+
+    def quantized(self, blocks: np.ndarray, exps: np.ndarray, world: int) -> np.ndarray:
+        """int32 rows of `blocks` scaled by 2**(p - exp) and rounded half to even, on the device."""
+        import torch
+        rows = self.compact.index_select(0, self._index(blocks))
+        shift = torch.from_numpy(precision_bits(world) - exps.astype(np.int64)).to(rows.device)
+        first = shift.clamp(_F32_MIN_EXP, _F32_MAX_EXP)
+        rows = rows * torch.exp2(first.to(torch.float32))[:, None]
+        rest = shift - first
+        if bool((rest != 0).any()):      # beyond float32's exponent range: a second exact step
+            rows = rows * torch.exp2(rest.to(torch.float32))[:, None]
+        out = torch.round(rows).to(torch.int32)
+        return (out.cpu().pin_memory() if out.is_cuda else out.cpu()).numpy()
 
 
 
@@ -32,7 +68,7 @@ def check_dtype(t) -> None:
 def gather_nonzero(t, block_size: int):
     """Detect and gather the non-zero blocks of `t` on its device.
 
-    Returns (CompactBlocks on the host, SparseBlocks over all blocks). Raises ValueError on NaN/inf.
+    Returns (DeviceBlocks, SparseBlocks over all blocks on the host). Raises ValueError on NaN/inf.
     """
     import torch
     check_dtype(t)
@@ -57,16 +93,13 @@ def gather_nonzero(t, block_size: int):
         live = maxabs > 0
     idx = live.nonzero().squeeze(1)
     compact = rows.index_select(0, idx)
-    pin = compact.is_cuda
-    host_rows = compact.to("cpu", non_blocking=False) if not pin else compact.cpu().pin_memory()
     blocks = idx.cpu().numpy().astype(np.int64)
     nonzero = np.zeros(nblocks, bool)
     nonzero[blocks] = True
     exps = np.full(nblocks, INT_EXP if is_int else -32768, np.int32)
     if not is_int and len(blocks):
         exps[blocks] = block_exponents(maxabs.index_select(0, idx).cpu().numpy())
-    view = CompactBlocks(blocks, host_rows.numpy(), nblocks, block_size)
-    return view, SparseBlocks(nonzero, exps)
+    return DeviceBlocks(blocks, compact, nblocks, block_size), SparseBlocks(nonzero, exps)
 
 
 def scatter_result(t, sink: CollectedBlocks, block_size: int, out=None):

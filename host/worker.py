@@ -222,7 +222,7 @@ class Worker:
             res = self.allreduce(src.numpy(), out=None if out is None else out.detach().numpy())
             return out if out is not None else sys.modules["torch"].from_numpy(res)
         view, sparse = tensors.gather_nonzero(t, self.block_size)
-        sink = CollectedBlocks(view.compact.dtype)
+        sink = CollectedBlocks(np.int32 if view.is_int else np.float32)
         self._reduce(view, sparse, sink)
         return tensors.scatter_result(t, sink, self.block_size, out)
 

@@ -272,12 +272,15 @@ class AllreduceMachine:
         n = P.encode_into(buf, self.header, ent)
         if len(data_blocks):
             wire = np.frombuffer(buf, P.WIRE_VALUE, offset=n).reshape(len(data_blocks), self.B)
-            rows = self.view.rows(data_blocks)
             if self.is_int:
-                wire[...] = rows
+                wire[...] = self.view.rows(data_blocks)
             else:
-                flags = ent["flags"] != 0
-                quantize(rows, ent["exp"][flags], self.cfg.world, out=wire, overwrite=True)
+                exps = ent["exp"][ent["flags"] != 0]
+                on_device = getattr(self.view, "quantized", None)   # torch tensors: quantise there
+                if on_device is not None:
+                    wire[...] = on_device(data_blocks, exps, self.cfg.world)
+                else:
+                    quantize(self.view.rows(data_blocks), exps, self.cfg.world, out=wire, overwrite=True)
         self.bytes_sent += len(buf)
         self.datagrams_sent += 1
         return bytes(buf)
