@@ -1,0 +1,31 @@
+"""The L-SVRG gradient estimator, which turns DIANA into VR-DIANA (Horváth, Kovalev, Mishchenko,
+Stich, Richtárik, "Stochastic distributed learning with gradient quantization and variance reduction",
+2019, arXiv:1904.05115, Algorithm 1 with the L-SVRG estimator of Kovalev, Horváth, Richtárik 2019)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class LSVRG:
+    """g = ∇f_j(x) − ∇f_j(w) + ∇f(w) for a uniformly drawn sample (or minibatch) j, where w is a
+    reference point replaced by x with probability p each step (then ∇f(w) is recomputed). Unbiased:
+    E_j[g] = ∇f(x), and its variance vanishes as x and w approach the optimum.
+
+    grad_fn(x, idx) must return the mean gradient over local samples idx (all samples for idx=None).
+    """
+
+    def __init__(self, grad_fn, samples: int, batch: int = 1, p: float | None = None, seed: int = 0):
+        self.grad_fn, self.samples, self.batch = grad_fn, samples, batch
+        self.p = p if p is not None else batch / samples
+        self.rng = np.random.default_rng(seed)
+        self.w = None
+        self.full_w = None
+
+    def estimate(self, x: np.ndarray) -> np.ndarray:
+        if self.w is None:
+            self.w, self.full_w = x.copy(), self.grad_fn(x, None)
+        idx = self.rng.integers(0, self.samples, self.batch)
+        g = self.grad_fn(x, idx) - self.grad_fn(self.w, idx) + self.full_w
+        if self.rng.random() < self.p:
+            self.w, self.full_w = x.copy(), self.grad_fn(x, None)
+        return g
