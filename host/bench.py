@@ -159,6 +159,9 @@ def run_from_args(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from .protocol import MAX_WORLD
+    if any(w > MAX_WORLD for w in args.workers):
+        raise ValueError(f"--workers must be at most {MAX_WORLD}, got {max(args.workers)}")
     console = Console()
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,

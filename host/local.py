@@ -50,6 +50,7 @@ class LocalAggregator:
             cmd += ["--slots", str(slots)]
         if seed is not None:
             cmd += ["--seed", str(seed)]
+        self._counters: dict = {}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      preexec_fn=_die_with_parent)
         atexit.register(self.stop)
