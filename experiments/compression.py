@@ -1,4 +1,4 @@
-"""Compression experiments E1, E2 and E3 on LIBSVM data (L2-regularised logistic regression over n
+"""Compression experiments E1, E2, E3 and E4 on LIBSVM data (L2-regularised logistic regression over n
 simulated workers). Writes docs/compression_e{1,2,3}.png and docs/compression.md.
 
     python experiments/compression.py --data DIR      # DIR holds a9a.xz etc. (LIBSVM format, xz)
@@ -171,7 +171,7 @@ def main():
     p.add_argument("--e2-eps", type=float, default=1e-5)
     p.add_argument("--e2-steps", type=int, default=4000)
     p.add_argument("--e2-lam", type=float, default=0.1, help="E2's regulariser (runs must finish)")
-    p.add_argument("--only", default="e1,e2,e3", help="comma-separated experiments to run")
+    p.add_argument("--only", default="e1,e2,e3,e4", help="comma-separated experiments to run")
     args = p.parse_args()
     import matplotlib
     matplotlib.use("Agg")
@@ -196,6 +196,8 @@ def main():
         e1(prob, n, omega, tau, m, gamma, L, B, args, plt, lines)
     if "e3" in only:
         e3(prob, n, omega, m, gamma, L, B, args, plt, lines)
+    if "e4" in only:
+        e4(prob, m, L, B, args, lines)
     if "e2" in only:
         e2(args, plt, lines)
     (Path(args.out) / "compression.md").write_text("\n".join(lines) + "\n")
@@ -225,6 +227,26 @@ def e1(prob, n, omega, tau, m, gamma, L, B, args, plt, lines):
     fig.suptitle(f"E1: DIANA vs no shifts, {args.dataset}, {n} workers")
     fig.tight_layout(); fig.savefig(Path(args.out) / "compression_e1.png", dpi=110); plt.close(fig)
 
+
+
+def e4(prob, m, L, B, args, lines, eps=1e-6, cap=6000):
+    """Adaptive k vs fixed k (top-k blocks with error feedback): ZeroSum bytes to reach ε."""
+    _, fstar = prob.optimum()
+    n = prob.n
+    lines += ["", f"## E4: adaptive k vs fixed k (top-k blocks + error feedback, ε = {eps:g}, at most {cap} steps)",
+              "", "k is chosen per step and worker to maximise ||T_k(g)||² / C(k), C = bytes in ZeroSum packets.",
+              "", "| method | steps to ε | kbit sent per worker to ε |", "|---|--:|--:|"]
+    for k in (1, 2, 4, 8, m):
+        steps, bits = iterations_to(prob, [C.TopKBlocks(k / m, True, block_size=B) for _ in range(n)],
+                                    1 / L, eps, cap, fstar, B)
+        name = "dense (k = m)" if k == m else f"fixed k = {k}"
+        lines.append(f"| {name} | {steps or '—'} | {bits / 1e3:.0f} |")
+        print(lines[-1], flush=True)
+    comps = [C.AdaptiveTopKBlocks(columns=m, block_size=B) for _ in range(n)]
+    steps, bits = iterations_to(prob, comps, 1 / L, eps, cap, fstar, B)
+    ks = np.array(comps[0].history)
+    lines.append(f"| adaptive (k from {ks.min()} to {ks.max()}, mean {ks.mean():.1f}) | {steps or '—'} | {bits / 1e3:.0f} |")
+    print(lines[-1], flush=True)
 
 
 def e3(prob, n, omega, m, gamma, L, B, args, plt, lines):
