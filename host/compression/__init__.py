@@ -18,7 +18,7 @@ from .quantize import QSGD, SignEF, TernGrad
 from .dgc import DGC
 from .diana import DIANA
 from .adaptive import AdaptiveTopKBlocks
-from .vr import LSVRG
+from .vr import LSVRG, SAGA
 
 __all__ = ["Compressor", "NoCompression", "allreduce", "wire_bytes", "TopKBlocks", "TopKElements",
-           "RandomKBlocks", "QSGD", "TernGrad", "SignEF", "DGC", "DIANA", "AdaptiveTopKBlocks", "LSVRG"]
+           "RandomKBlocks", "QSGD", "TernGrad", "SignEF", "DGC", "DIANA", "AdaptiveTopKBlocks", "LSVRG", "SAGA"]
