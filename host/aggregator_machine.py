@@ -83,7 +83,6 @@ class AggregatorMachine:
         self.max_block_size = max_block_size
         self.max_datagram = max_datagram
         self.counters: dict[str, int] = {}
-        self.results_sent = 0
         self.completed: dict[tuple[int, int], list[np.ndarray]] = {}   # (epoch, tensor_blocks) -> slots
 
     def count(self, name: str, n: int = 1) -> None:
@@ -271,7 +270,6 @@ class AggregatorMachine:
         ent["next"] = s.prev_next[slot]
         ent["exp"] = s.prev_exp[slot]
         ent["next_exp"] = s.prev_next_exp[slot]
-        self.results_sent += 1
         return P.encode(self._header(P.RESULT, epoch, tensor_blocks), ent, s.shadow[slot[has]])
 
     def _status(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> bytes:

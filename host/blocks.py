@@ -57,14 +57,6 @@ class BlockView:
         out[~inner] = self.tail
         return out
 
-    def _per_block(self, rows_fn) -> np.ndarray:
-        parts = [rows_fn(self.full)] if self.nfull else []
-        if self.tail is not None:
-            parts.append(rows_fn(self.tail))
-        if not parts:
-            return np.zeros(0, self.flat.dtype)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
     def store(self, blocks: np.ndarray, rows: np.ndarray) -> None:
         """Write rows into the given blocks of `flat` (the last block's padding is dropped)."""
         if self.tail is None or len(blocks) == 0 or blocks.max() < self.nfull:

@@ -34,19 +34,26 @@ def block_exponents(maxabs: np.ndarray) -> np.ndarray:
     return np.where(maxabs > 0, e, NO_EXP).astype(np.int32)
 
 
-def _scale_rows(rows: np.ndarray, shift: np.ndarray) -> None:
-    """rows *= 2**shift (per row), exactly, in place; shift may exceed float32's exponent range."""
-    if len(shift) == 0:
-        return
-    lo, hi = int(shift.min()), int(shift.max())
-    if _F32_MIN_EXP <= lo and hi <= _F32_MAX_EXP:   # the usual case: one multiply
-        rows *= np.exp2(shift.astype(np.float32))[:, None]
-        return
+def scale_factors(shift: np.ndarray) -> list[np.ndarray]:
+    """Per-row float32 factors whose product is 2**shift, each a normal float32 power of two.
+
+    Multiplying by them in turn scales exactly; one factor in the usual case, two when a shift is
+    beyond float32's exponent range. numpy and the torch device path both scale with these.
+    """
+    if len(shift) == 0 or (_F32_MIN_EXP <= int(shift.min()) and int(shift.max()) <= _F32_MAX_EXP):
+        return [np.exp2(shift.astype(np.float32))]
     first = np.clip(shift, _F32_MIN_EXP, _F32_MAX_EXP)
-    rows *= np.exp2(first.astype(np.float32))[:, None]
     rest = shift - first
+    factors = [np.exp2(first.astype(np.float32))]
     if rest.any():
-        rows *= np.exp2(rest.astype(np.float32))[:, None]
+        factors.append(np.exp2(rest.astype(np.float32)))
+    return factors
+
+
+def _scale_rows(rows: np.ndarray, shift: np.ndarray) -> None:
+    """rows *= 2**shift (per row), exactly, in place."""
+    for factor in scale_factors(shift):
+        rows *= factor[:, None]
 
 
 def quantize(rows: np.ndarray, exps: np.ndarray, world: int, out: np.ndarray | None = None,

@@ -98,10 +98,6 @@ class Datagram:
             self.row = np.cumsum(self.has, dtype=np.int64) - 1
             self.row[~self.has] = -1
 
-    @property
-    def data_row(self) -> np.ndarray:
-        return self.row
-
 
 def entries_array(n: int) -> np.ndarray:
     return np.zeros(n, dtype=ENTRY_HEADER)

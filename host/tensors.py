@@ -14,10 +14,8 @@ import sys
 import numpy as np
 
 from .blocks import CollectedBlocks, SparseBlocks, block_count
-from .fixedpoint import block_exponents, precision_bits
+from .fixedpoint import block_exponents, precision_bits, scale_factors
 from .protocol import INT_EXP
-
-_F32_MIN_EXP, _F32_MAX_EXP = -126, 127
 
 
 class DeviceBlocks:
@@ -42,12 +40,8 @@ class DeviceBlocks:
         """int32 rows of `blocks` scaled by 2**(p - exp) and rounded half to even, on the device."""
         import torch
         rows = self.compact.index_select(0, self._index(blocks))
-        shift = torch.from_numpy(precision_bits(world) - exps.astype(np.int64)).to(rows.device)
-        first = shift.clamp(_F32_MIN_EXP, _F32_MAX_EXP)
-        rows = rows * torch.exp2(first.to(torch.float32))[:, None]
-        rest = shift - first
-        if bool((rest != 0).any()):      # beyond float32's exponent range: a second exact step
-            rows = rows * torch.exp2(rest.to(torch.float32))[:, None]
+        for factor in scale_factors(precision_bits(world) - exps.astype(np.int64)):
+            rows = rows * torch.from_numpy(factor).to(rows.device)[:, None]
         out = torch.round(rows).to(torch.int32)
         return (out.cpu().pin_memory() if out.is_cuda else out.cpu()).numpy()
 

@@ -71,7 +71,6 @@ class Worker:
         self.sock: socket.socket | None = None
         self.slots = 0
         self.epoch = 0
-        self.last: AllreduceMachine | None = None
         self.gather_on_device = gather_on_device
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -235,7 +234,6 @@ class Worker:
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:
-        self.last = m
         try:
             for a, data in m.start(time.monotonic()):
                 self._send(a, data)

@@ -81,7 +81,6 @@ class AllreduceMachine:
         self.aggregator_of_column = layout.aggregator_of(np.arange(S))
         self.last_heard = np.zeros(layout.aggregators)
         self.bytes_sent = 0
-        self.datagrams_sent = 0
         self.retransmitted = 0
         self.drops: dict[str, int] = {}
 
@@ -134,7 +133,7 @@ class AllreduceMachine:
         """Retransmit the columns whose timer expired; raise ZeroSumTimeout when progress stopped."""
         if self.done:
             return []
-        if now - self.last_progress >= self.cfg.timeout:
+        if self.last_progress + self.cfg.timeout <= now:   # the same expression as deadline_at
             raise ZeroSumTimeout(self._timeout_message(now))
         quiet = self.last_heard + self.base_rto <= now   # the same expression as deadline_at
         due = np.flatnonzero((self.deadline <= now) & quiet[self.aggregator_of_column])
@@ -146,30 +145,31 @@ class AllreduceMachine:
         self.sent_at[due] = np.nan    # Karn's rule: no round-trip samples from retransmitted rounds
         return out
 
-    def receive(self, aggregator: int, datagram, now: float) -> list[tuple[int, bytes]]:
+    def receive(self, aggregator: int, datagram, now: float) -> None:
+        """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
         try:
             d = P.decode(datagram)
         except P.ProtocolError as e:
             self._drop(e.reason)
-            return []
+            return
         h = d.header
         if h.job != self.cfg.job or h.rank != P.AGGREGATOR_RANK:
             self._drop("foreign")
-            return []
+            return
         if h.type == P.JOIN_ACK:
-            return []          # a late answer to a join: harmless
+            return          # a late answer to a join: harmless
         if h.epoch != self.epoch:
             self._drop("stale_epoch")
-            return []
+            return
         if h.tensor_blocks != self.layout.nblocks or h.block_size != self.B:
             self._drop("geometry")
-            return []
+            return
         slots = d.slot
         if len(slots) == 0:
-            return []
+            return
         if slots.max() >= self.layout.slots_used(aggregator) or P.repeats_a_slot(slots, self._scratch):
             self._drop("range")
-            return []
+            return
         cols = self.layout.column_of(aggregator, slots)
         self.last_heard[aggregator] = now
         if h.type == P.STATUS:
@@ -180,20 +180,20 @@ class AllreduceMachine:
             # The aggregator holds our contribution and waits for others: no need to resend soon.
             self.rto[waiting] = np.minimum(self.rto[waiting] * 2, self.cfg.max_rto)
             self.deadline[waiting] = np.maximum(self.deadline[waiting], now + self.rto[waiting])
-            return []
+            return
         if h.type != P.RESULT:
             self._drop("type")
-            return []
-        return self._on_result(d, cols, now)
+            return
+        self._on_result(d, cols, now)
 
-    def _on_result(self, d: P.Datagram, cols: np.ndarray, now: float) -> list[tuple[int, bytes]]:
+    def _on_result(self, d: P.Datagram, cols: np.ndarray, now: float) -> None:
         block = d.block
         fresh = block == self.round_block[cols]
         rows, exp, nxt, next_exp = d.row, d.exp, d.next, d.next_exp
         if not fresh.all():
             self._drop("duplicate_result", int(np.count_nonzero(~fresh)))
             if not fresh.any():
-                return []
+                return
             cols, block, rows = cols[fresh], block[fresh], rows[fresh]
             exp, nxt, next_exp = exp[fresh], nxt[fresh], next_exp[fresh]
         has = rows >= 0
@@ -224,7 +224,6 @@ class AllreduceMachine:
         self.last_progress = now
         self.deadline[cols] = np.inf
         self.ready[cols[nxt != P.END]] = True
-        return []
 
     def _measure(self, samples: np.ndarray) -> None:
         """Adapt the retransmission timeout to the round-trip times seen (RFC 6298)."""
@@ -282,7 +281,6 @@ class AllreduceMachine:
                 else:
                     quantize(self.view.rows(data_blocks), exps, self.cfg.world, out=wire, overwrite=True)
         self.bytes_sent += len(buf)
-        self.datagrams_sent += 1
         return bytes(buf)
 
     # -- errors -------------------------------------------------------------------------------------

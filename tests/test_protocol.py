@@ -27,7 +27,7 @@ def test_round_trip_exact_bytes():
     assert d.header == h
     assert np.array_equal(d.entries, ent)
     assert np.array_equal(d.data, data)
-    assert list(d.data_row) == [0, -1, 1]
+    assert list(d.row) == [0, -1, 1]
     # big-endian on the wire: the header's job field is bytes 2..3
     assert raw[2:4] == b"\x00\x07" and raw[0] == P.VERSION and raw[1] == P.DATA
 
