@@ -8,12 +8,16 @@ ARG WITH_TORCH=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
 COPY pyproject.toml README.md /src/
 COPY host /src/host
+COPY switch_p4 /src/switch_p4
+COPY emulator /src/emulator
 COPY testbed/wheelhouse /wheelhouse
-RUN python3 -m venv /opt/zerosum \
+# Every image has the switch extra (the emulated switch's P4Runtime control plane); WITH_TORCH adds torch.
+RUN extras=switch; if [ "$WITH_TORCH" = 1 ]; then extras=switch,torch; fi \
+ && python3 -m venv /opt/zerosum \
  && if ls /wheelhouse/zerosum-*.whl >/dev/null 2>&1; then \
-        /opt/zerosum/bin/pip install --no-index --find-links /wheelhouse "zerosum$( [ "$WITH_TORCH" = 1 ] && echo '[torch]')"; \
+        /opt/zerosum/bin/pip install --no-index --find-links /wheelhouse "zerosum[$extras]"; \
     else \
-        /opt/zerosum/bin/pip install "/src$( [ "$WITH_TORCH" = 1 ] && echo '[torch]')"; \
+        /opt/zerosum/bin/pip install "/src[$extras]"; \
     fi \
  && rm -rf /wheelhouse /root/.cache
 ENV PATH=/opt/zerosum/bin:$PATH

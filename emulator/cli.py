@@ -5,7 +5,12 @@
 
 The control plane configures it over P4Runtime (`--grpc`, then zerosum.switch_p4.control.SwitchControl),
 or `--config FILE.json` has the control plane install a configuration at start (the format of
-zerosum.switch_p4.control.apply_plan), through the same P4Runtime endpoint. Also runnable as `python -m zerosum.emulator.cli switch ...`.
+zerosum.switch_p4.control.apply_plan), through the same P4Runtime endpoint. In UDP mode,
+`--members IP:PORT ...` (with --job, --slots) does that for one job of workers at those source addresses,
+which bind those ports (Worker(..., block_size=64, max_entries=1, bind="IP:PORT")):
+
+    zerosum switch --udp 10.1.0.2:48879 --members 10.1.0.10:48880 10.1.0.11:48880
+ Also runnable as `python -m zerosum.emulator.cli switch ...`.
 """
 from __future__ import annotations
 
@@ -56,6 +61,10 @@ def configure_arguments(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="serve P4Runtime here for the control plane (e.g. 127.0.0.1:9559)")
     s.add_argument("--config", metavar="FILE.json",
                    help="configure the switch at start through its P4Runtime endpoint (apply_plan's format)")
+    s.add_argument("--members", type=_address, nargs="+", metavar="IP:PORT",
+                   help="UDP mode: serve one job of workers sending from these addresses, in rank order")
+    s.add_argument("--job", type=int, default=1, help="the job id of --members (default 1)")
+    s.add_argument("--slots", type=int, default=256, help="aggregation slots of the --members job")
     s.add_argument("--duration", type=_seconds, metavar="SECONDS", help="stop after this long")
     s.add_argument("--idle-exit", type=_seconds, metavar="SECONDS",
                    help="stop once no frame has arrived for this long (after the first one)")
@@ -76,15 +85,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # -- configuration at start ------------------------------------------------------------------------------
-def configure_from_file(grpc_address: str, path: str) -> None:
-    """`--config FILE.json`: the control plane (SwitchControl, apply_plan) installs the file's configuration
-    through this switch's own P4Runtime endpoint, exactly as it would configure bmv2."""
-    from ..switch_p4.control import SwitchControl, apply_plan
+def read_plan(path: str) -> dict:
     try:
         with open(path) as f:
-            plan = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read the switch configuration {path}: {e}") from None
+
+
+def members_plan(args) -> dict:
+    """`--members`: one job whose workers send from these addresses to the UDP front end's address."""
+    from ..switch_p4.star import plan
+    if not args.udp:
+        raise ValueError("--members needs --udp (on interfaces, configure L2 and jobs with --config)")
+    if len(set(args.members)) != len(args.members):
+        raise ValueError("a member address is given twice")
+    return plan(len(args.members), slots=args.slots, job=args.job, service_ip=args.udp[0],
+                addresses=args.members, l2=False)
+
+
+def configure(grpc_address: str, plan: dict) -> None:
+    """The control plane (SwitchControl, apply_plan) installs a configuration through this switch's own
+    P4Runtime endpoint, exactly as it would configure bmv2."""
+    from ..switch_p4.control import SwitchControl, apply_plan
     with SwitchControl(grpc_address) as ctl:
         apply_plan(ctl, plan)
 
@@ -97,7 +120,10 @@ def run(args) -> int:
     sw = Switch()
     server = None
     grpc_address = f"{args.grpc[0]}:{args.grpc[1]}" if args.grpc else None
-    if args.grpc or args.config:
+    if args.config and args.members:
+        raise ValueError("give either --config or --members")
+    plan = read_plan(args.config) if args.config else members_plan(args) if args.members else None
+    if args.grpc or plan:
         try:
             from .p4runtime_server import serve_p4runtime
             from ..udp import free_port
@@ -105,12 +131,12 @@ def run(args) -> int:
             print(f"zerosum switch: error: the P4Runtime server is not available ({e}); "
                   "install the switch extra: pip install 'zerosum[switch]'", file=sys.stderr)
             return 1
-        if grpc_address is None:   # --config alone: a private endpoint for the control plane
+        if grpc_address is None:   # a configuration alone: a private endpoint for the control plane
             grpc_address = f"127.0.0.1:{free_port()}"
         server = serve_p4runtime(sw, grpc_address)
-    if args.config:
+    if plan:
         try:
-            configure_from_file(grpc_address, args.config)
+            configure(grpc_address, plan)
         except BaseException:
             server.stop(0)
             raise

@@ -20,7 +20,8 @@ from .worker import Worker
 def run_check(args) -> int:
     report = {"rank": args.rank, "world": args.world, "aggregators": args.aggregators, "runs": []}
     with Worker(args.rank, args.world, args.aggregators, job=args.job, block_size=args.block_size,
-                timeout=args.timeout, loss=args.loss, seed=args.rank) as w:
+                timeout=args.timeout, loss=args.loss, seed=args.rank, max_entries=args.max_entries,
+                bind=args.bind) as w:
         good = True
         for density in args.densities:
             x = bench_tensor(args.rank, density, args.size, args.block_size, args.seed)

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--size", type=_positive_int, default=1_000_000, help="floats per tensor")
     c.add_argument("--densities", type=_densities, default=[1.0, 0.1, 0.01])
     c.add_argument("--block-size", type=_positive_int, default=256)
+    c.add_argument("--max-entries", type=_positive_int, default=0xFFFF,
+                   help="blocks per datagram (a switch takes 1, with --block-size 64)")
+    c.add_argument("--bind", default="0.0.0.0:0", metavar="IP:PORT",
+                   help="send from this address (a switch knows its workers by source address)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at this worker")
     c.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")

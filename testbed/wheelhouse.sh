@@ -8,9 +8,9 @@ out=testbed/wheelhouse
 rm -f "$out"/zerosum-*.whl
 # WITH_TORCH=1 adds torch (CPU build) for the training example in the testbed.
 if [ "${WITH_TORCH:-0}" = 1 ]; then
-    python3 -m pip wheel -q -w "$out" '.[torch]'
+    python3 -m pip wheel -q -w "$out" '.[switch,torch]'
 else
     rm -f "$out"/torch-*.whl
-    python3 -m pip wheel -q -w "$out" .
+    python3 -m pip wheel -q -w "$out" '.[switch]'
 fi
 ls "$out"
