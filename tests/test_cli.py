@@ -1,4 +1,5 @@
 """The command line: --help everywhere, one-line errors for bad arguments, never a traceback."""
+import json
 import subprocess
 import sys
 
@@ -24,6 +25,10 @@ def test_help(cmd):
     (["bench", "--densities", "0.5,2"], "densities must be in"),
     (["bench", "--workers", "40", "--no-baseline"], "at most 32"),
     (["check", "--rank", "3", "--world", "2"], "--rank must be"),
+    (["switch", "-i", "1@lo", "--members", "10.0.0.1:1"], "--members needs --udp"),
+    (["switch", "--udp", "127.0.0.1:0", "--members", "10.0.0.1:1", "10.0.0.1:1"], "given twice"),
+    (["switch", "--udp", "127.0.0.1:0", "--members", "10.0.0.1"], "expected HOST:PORT"),
+    (["check", "--rank", "0", "--world", "1", "--bind", "nonsense"], "cannot resolve host"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_give_one_line(args, text):
@@ -32,3 +37,27 @@ def test_bad_arguments_give_one_line(args, text):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and text in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_check_through_the_emulated_switch_in_udp_mode():
+    """`zerosum switch --udp --members` serves a job of `zerosum check` ranks that send from those
+    addresses, one 64-value block per datagram; every rank verifies every sum."""
+    from zerosum.udp import free_port
+    port, members = free_port(), [free_port() for _ in range(2)]
+    switch = subprocess.Popen([sys.executable, "-m", "zerosum", "switch", "--udp", f"127.0.0.1:{port}",
+                               "--members", *[f"127.0.0.1:{m}" for m in members], "--job", "3",
+                               "--idle-exit", "3", "--announce"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert switch.stdout.readline().startswith("zerosum-switch-ready")
+        ranks = [subprocess.Popen([sys.executable, "-m", "zerosum", "check", "--rank", str(r), "--world", "2",
+                                   "--aggregators", f"127.0.0.1:{port}", "--job", "3", "--block-size", "64",
+                                   "--max-entries", "1", "--bind", f"127.0.0.1:{members[r]}", "--size", "20000",
+                                   "--timeout", "20"], stdout=subprocess.PIPE, text=True) for r in range(2)]
+        outputs = [p.communicate(timeout=120)[0] for p in ranks]
+        assert [p.returncode for p in ranks] == [0, 0], outputs
+        assert all("2 of 2 ranks got exact sums: OK" in out for out in outputs), outputs
+        switch.wait(timeout=30)
+        counters = json.loads(switch.stdout.read().strip().splitlines()[-1])
+        assert counters["switch"]["rounds"] > 0 and counters["switch"]["joins"] >= 2
+    finally:
+        switch.kill()
