@@ -4,8 +4,11 @@ gradient is naturally block-sparse (e.g. ~98% of 256-value blocks are zero with 
 
     torchrun --nproc-per-node 4 -m zerosum.examples.embedding            # gloo, then ZeroSum
     torchrun --nproc-per-node 4 -m zerosum.examples.embedding --mode gloo
+    torchrun --nproc-per-node 4 -m zerosum.examples.embedding --rows 1000000   # tables of 1M rows
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -15,32 +18,39 @@ TABLES, ROWS, DIM, LOOKUPS = 4, 100_000, 32, 2
 
 
 class Recommender(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, rows: int = ROWS):
         super().__init__()
-        self.tables = torch.nn.ModuleList(torch.nn.EmbeddingBag(ROWS, DIM, mode="sum") for _ in range(TABLES))
+        self.tables = torch.nn.ModuleList(torch.nn.EmbeddingBag(rows, DIM, mode="sum") for _ in range(TABLES))
         self.mlp = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
     def forward(self, ids):
         return self.mlp(torch.cat([t(ids[:, i]) for i, t in enumerate(self.tables)], dim=1)).squeeze(1)
 
 
-# A fixed hidden "true" model makes the clicks learnable.
-_TRUTH = torch.Generator().manual_seed(1234)
-_WEIGHTS = torch.randn(TABLES, ROWS, generator=_TRUTH)
+@functools.lru_cache(maxsize=None)
+def _truth(rows: int) -> torch.Tensor:
+    """A fixed hidden "true" model makes the clicks learnable."""
+    return torch.randn(TABLES, rows, generator=torch.Generator().manual_seed(1234))
 
 
-def batch(gen, size):
+def batch(gen, size, rows: int = ROWS):
     # Zipf-like popularity: a few items are looked up often, most rarely (as in click logs).
     u = torch.rand(size, TABLES, LOOKUPS, generator=gen)
-    ids = (ROWS * u ** 3).long().clamp(max=ROWS - 1)
-    score = sum(_WEIGHTS[t][ids[:, t]].sum(1) for t in range(TABLES))
+    ids = (rows * u ** 3).long().clamp(max=rows - 1)
+    weights = _truth(rows)
+    score = sum(weights[t][ids[:, t]].sum(1) for t in range(TABLES))
     clicks = (score + 0.5 * torch.randn(size, generator=gen) > 0).float()
     return (ids,), clicks
 
 
 def main():
-    args = parse_args(__doc__, steps=30, batch=256, lr=0.5)
-    train(Recommender, batch, torch.nn.functional.binary_cross_entropy_with_logits, args)
+    args = parse_args(__doc__, lambda p: p.add_argument("--rows", type=int, default=ROWS,
+                                                      help=f"rows per embedding table (default {ROWS:,})"),
+                      steps=30, batch=256, lr=0.5)
+    if args.rows < 1:
+        raise SystemExit("--rows must be positive")
+    train(functools.partial(Recommender, args.rows), functools.partial(batch, rows=args.rows),
+          torch.nn.functional.binary_cross_entropy_with_logits, args)
 
 
 if __name__ == "__main__":
