@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compression import load_libsvm  # noqa: E402
+from report import update_sections  # noqa: E402
 
 from zerosum import compression as C  # noqa: E402
 
@@ -98,8 +99,7 @@ def main():
              "|---|" + "--:|" * args.epochs]
     for name, accs in results.items():
         lines.append(f"| {name} | " + " | ".join(f"{a:.4f}" for a in accs) + " |")
-    with open(Path(args.out) / "compression.md", "a") as f:
-        f.write("\n".join(lines) + "\n")
+    update_sections(Path(args.out) / "compression.md", lines)
     print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """Experiment E6: time to a target loss with each compressor through a real aggregator, against dense
 gloo allreduce, with 4 worker processes on this machine (L2-regularised logistic regression on a
-LIBSVM dataset, one shard per worker). Appends a table to docs/compression.md.
+LIBSVM dataset, one shard per worker). Writes its section of docs/compression.md.
 
     python experiments/end_to_end.py --data DIR
 """
@@ -15,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compression import Problem, load_libsvm  # noqa: E402
+from report import update_sections  # noqa: E402
 
 from zerosum import compression as C  # noqa: E402
 from zerosum.udp import free_port
@@ -109,10 +110,8 @@ def main():
     lines += ["", "gloo's bytes are the ring allreduce's (computed). A step here is dominated by local "
               "computation (the shard's gradient, and every 10 steps the loss on the full data to test the "
               "target), not by communicating a 124-value model: time follows the number of steps, and the "
-              "methods differ in how many steps and bytes they need. Run after experiments/compression.py, "
-              "which rewrites docs/compression.md."]
-    with open(args.out, "a") as f:
-        f.write("\n".join(lines) + "\n")
+              "methods differ in how many steps and bytes they need."]
+    update_sections(Path(args.out), lines)
     print("\n".join(lines))
 
 

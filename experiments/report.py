@@ -1,0 +1,40 @@
+"""docs/compression.md is written by several experiment scripts: each replaces its own sections
+("## E2: ..." up to the next "## "), so any one of them can be rerun without the others."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _split(text: str) -> tuple[list[str], list[list[str]]]:
+    preamble, sections = [], []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            sections.append([line])
+        elif sections:
+            sections[-1].append(line)
+        else:
+            preamble.append(line)
+    return preamble, sections
+
+
+def _key(heading: str) -> str:
+    """'## E2: independent ...' -> 'E2'."""
+    return heading[3:].split(":", 1)[0].strip()
+
+
+def update_sections(path: Path, lines: list[str], preamble: bool = False) -> None:
+    """Put the sections in `lines` into the file at `path`, replacing sections with the same key and
+    appending new ones; with preamble=True, `lines`' text before its first section replaces the file's."""
+    path = Path(path)
+    old_pre, old = _split(path.read_text()) if path.exists() else ([], [])
+    new_pre, new = _split("\n".join(lines))
+    fresh = {_key(s[0]): s for s in new}
+    merged = [fresh.pop(_key(s[0]), s) for s in old]
+    merged += [s for s in new if _key(s[0]) in fresh]
+    pre = new_pre if preamble or not old_pre else old_pre
+    body = [_strip(pre)] + [_strip(s) for s in merged]
+    path.write_text("\n\n".join(part for part in body if part) + "\n")
+
+
+def _strip(block: list[str]) -> str:
+    return "\n".join(block).strip("\n")
