@@ -92,7 +92,8 @@ class Worker:
         # Results arrive in bursts of up to one datagram per group of slots from every aggregator.
         self.sock, _ = open_socket(self.bind, rcvbuf=16 << 20)
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
-        self._buf = bytearray(P.MAX_DATAGRAM + 1)
+        # One buffer per datagram of a batch: a batch's datagrams are parsed in place, then merged.
+        self._bufs = [bytearray(P.MAX_DATAGRAM + 1) for _ in range(FLUSH_EVERY)]
         try:
             self._join()
         except BaseException:
@@ -115,11 +116,12 @@ class Worker:
         except OSError:
             pass    # e.g. ECONNREFUSED from an earlier ICMP error, or a full buffer: it is a loss
 
-    def _recv(self, wait: float):
-        """One datagram as (aggregator index, memoryview), or None after `wait` seconds."""
+    def _recv(self, wait: float, slot: int = 0):
+        """One datagram as (aggregator index, memoryview into buffer `slot`), or None after `wait` s."""
         self.sock.settimeout(max(wait, 0.0))   # 0: non-blocking
+        buf = self._bufs[slot]
         try:
-            n, addr = self.sock.recvfrom_into(self._buf)
+            n, addr = self.sock.recvfrom_into(buf)
         except (socket.timeout, BlockingIOError):
             return None
         except ConnectionRefusedError:
@@ -132,7 +134,7 @@ class Worker:
         if idx is None:
             self.stats.drops["unknown_source"] = self.stats.drops.get("unknown_source", 0) + 1
             return None
-        return idx, memoryview(self._buf)[:n]
+        return idx, memoryview(buf)[:n]
 
     # -- join ---------------------------------------------------------------------------------------
     def _join(self) -> None:
@@ -243,28 +245,29 @@ class Worker:
         try:
             for a, data in m.start(time.monotonic()):
                 self._send(a, data)
-            backlog = 0
+            batch = []
             while not m.done:
-                # Read everything that is queued before sending or judging timers: results only
-                # mark columns ready, and one flush sends them all (fewer, fuller datagrams when
-                # behind); under CPU contention a result may sit in the buffer while its timer expires.
-                got = self._recv(0.0) if backlog < FLUSH_EVERY else None
-                if got is None:
-                    backlog = 0
-                    for a, data in m.flush(time.monotonic()):
+                # Read everything that is queued (up to FLUSH_EVERY datagrams) and apply it in one
+                # pass before sending or judging timers: results only mark columns ready, and one flush
+                # sends them all (fewer, fuller datagrams when behind); under CPU contention a result
+                # may sit in the buffer while its timer expires.
+                while len(batch) < FLUSH_EVERY and (got := self._recv(0.0, len(batch))) is not None:
+                    batch.append(got)
+                if batch:
+                    m.receive_many(batch, time.monotonic())
+                    batch = []
+                for a, data in m.flush(time.monotonic()):
+                    self._send(a, data)
+                if m.done:
+                    break
+                now = time.monotonic()
+                if now >= m.deadline_at:
+                    for a, data in m.poll(now):
                         self._send(a, data)
-                    if m.done:
-                        break
-                    now = time.monotonic()
-                    if now >= m.deadline_at:
-                        for a, data in m.poll(now):
-                            self._send(a, data)
-                        continue
-                    got = self._recv(m.deadline_at - now)
-                    if got is None:
-                        continue
-                m.receive(got[0], got[1], time.monotonic())
-                backlog += 1
+                    continue
+                got = self._recv(m.deadline_at - now)
+                if got is not None:
+                    batch.append(got)
         finally:
             self.stats.retransmitted_entries += m.retransmitted
             for k, v in m.drops.items():

@@ -1,7 +1,7 @@
 """The worker's side of one allreduce, as a pure state machine (no sockets, no clocks).
 
 Drive it with `start(now)`, then `receive(aggregator, datagram, now)` for every datagram from an
-aggregator, `flush(now)` when there is nothing more to read, and `poll(now)` when `deadline_at` has
+aggregator (or `receive_many` for several queued ones at once), `flush(now)` when there is nothing more to read, and `poll(now)` when `deadline_at` has
 passed; start, flush and poll return the datagrams to send as (aggregator index, bytes). Results only
 mark their columns ready; flush sends all ready columns together, so a worker that has fallen behind
 catches up with fewer, fuller datagrams. `done` turns true when every column has reached END; `output` then holds
@@ -148,29 +148,44 @@ class AllreduceMachine:
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
+        self.receive_many([(aggregator, datagram)], now)
+
+    def receive_many(self, datagrams, now: float) -> None:
+        """Take several datagrams, as (aggregator index, bytes), in arrival order: the same outcome as
+        receiving them one by one, but their results are applied in one vectorised pass (a worker that
+        drains a queue of results pays the per-datagram numpy overhead once)."""
+        results = [got for a, datagram in datagrams if (got := self._accept(a, datagram, now)) is not None]
+        if len(results) == 1:
+            d, cols = results[0]
+            self._on_result(cols, d.block, d.row, d.exp, d.next, d.next_exp, d.data, now)
+        elif results:
+            self._on_result(*_merge(results), now, may_repeat=True)
+
+    def _accept(self, aggregator: int, datagram, now: float):
+        """Validate one datagram; apply a STATUS; return a RESULT's (datagram, columns), else None."""
         try:
             d = P.decode(datagram)
         except P.ProtocolError as e:
             self._drop(e.reason)
-            return
+            return None
         h = d.header
         if h.job != self.cfg.job or h.rank != P.AGGREGATOR_RANK:
             self._drop("foreign")
-            return
+            return None
         if h.type == P.JOIN_ACK:
-            return          # a late answer to a join: harmless
+            return None     # a late answer to a join: harmless
         if h.epoch != self.epoch:
             self._drop("stale_epoch")
-            return
+            return None
         if h.tensor_blocks != self.layout.nblocks or h.block_size != self.B:
             self._drop("geometry")
-            return
+            return None
         slots = d.slot
         if len(slots) == 0:
-            return
+            return None
         if slots.max() >= self.layout.slots_used(aggregator) or P.repeats_a_slot(slots, self._scratch):
             self._drop("range")
-            return
+            return None
         cols = self.layout.column_of(aggregator, slots)
         self.last_heard[aggregator] = now
         if h.type == P.STATUS:
@@ -181,16 +196,23 @@ class AllreduceMachine:
             # The aggregator holds our contribution and waits for others: no need to resend soon.
             self.rto[waiting] = np.minimum(self.rto[waiting] * 2, self.cfg.max_rto)
             self.deadline[waiting] = np.maximum(self.deadline[waiting], now + self.rto[waiting])
-            return
+            return None
         if h.type != P.RESULT:
             self._drop("type")
-            return
-        self._on_result(d, cols, now)
+            return None
+        return d, cols
 
-    def _on_result(self, d: P.Datagram, cols: np.ndarray, now: float) -> None:
-        block = d.block
+    def _on_result(self, cols, block, rows, exp, nxt, next_exp, data, now: float, may_repeat=False) -> None:
+        """Results for `cols`: store the sums, advance the columns. With may_repeat (several datagrams
+        merged), a column may appear twice; only its first result for the current round counts, as
+        one by one the second would find the round moved on."""
         fresh = block == self.round_block[cols]
-        rows, exp, nxt, next_exp = d.row, d.exp, d.next, d.next_exp
+        if may_repeat:
+            fresh_at = np.flatnonzero(fresh)
+            _, first = np.unique(cols[fresh_at], return_index=True)
+            if len(first) < len(fresh_at):
+                fresh[fresh_at] = False
+                fresh[fresh_at[first]] = True
         if not fresh.all():
             self._drop("duplicate_result", int(np.count_nonzero(~fresh)))
             if not fresh.any():
@@ -200,16 +222,19 @@ class AllreduceMachine:
         has = rows >= 0
         mine = self._mine(cols)
         sent_data = mine == block
-        if (sent_data & ~has).any():
-            raise ProtocolViolation(f"aggregator {self._agg_name(cols[0])} returned no data for a block "
-                                    f"this worker contributed (block {int(block[sent_data & ~has][0])})")
-        if (has & (exp != self.round_exp[cols])).any():
-            raise ProtocolViolation("result exponent differs from the agreed exponent of its block")
-        if ((nxt != P.END) & ((next_exp == P.INT_EXP) != self.is_int)).any():
+        # One combined test on the fast path; which rule was broken is worked out only when one was.
+        exp_bad = has & (exp != self.round_exp[cols])
+        dtype_bad = (nxt != P.END) & ((next_exp == P.INT_EXP) != self.is_int)
+        if (sent_data & ~has | exp_bad | dtype_bad).any():
+            if (sent_data & ~has).any():
+                raise ProtocolViolation(f"aggregator {self._agg_name(cols[0])} returned no data for a block "
+                                        f"this worker contributed (block {int(block[sent_data & ~has][0])})")
+            if exp_bad.any():
+                raise ProtocolViolation("result exponent differs from the agreed exponent of its block")
             raise ProtocolViolation("workers disagree on the dtype of this allreduce "
                                     "(float32 and int32 contributions to the same blocks)")
         if has.any():
-            sums = d.data[rows[has]]
+            sums = data[rows[has]]
             if self.is_int:
                 self.output.store(block[has], sums)
             else:
@@ -309,3 +334,16 @@ class AllreduceMachine:
         names = sorted({self._agg_name(c) for c in pending[~heard]} or {self._agg_name(pending[0])})
         return (f"{head}: no answer from aggregator {', '.join(names)} "
                 f"(is it running, and started with --workers {self.cfg.world}?)")
+
+
+def _merge(results):
+    """Several RESULT datagrams as one set of entries, in arrival order (data rows renumbered)."""
+    def cat(field):
+        return np.concatenate([getattr(d, field) for d, _ in results])
+    rows, offset = [], 0
+    for d, _ in results:
+        rows.append(np.where(d.row >= 0, d.row + offset, -1))
+        offset += len(d.data)
+    data = np.concatenate([d.data for d, _ in results]) if offset else results[0][0].data
+    cols = np.concatenate([c for _, c in results])
+    return cols, cat("block"), np.concatenate(rows), cat("exp"), cat("next"), cat("next_exp"), data

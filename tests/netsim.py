@@ -27,8 +27,9 @@ def join_all(aggs: list[AggregatorMachine], world: int, block_size: int) -> int:
 
 
 def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0, seed=0,
-        max_datagram=P.MAX_DATAGRAM, max_steps=1_000_000, slots=None, max_entries=0xFFFF):
-    """Run one allreduce of `arrays` (one per rank) through `aggs`; return each rank's output."""
+        max_datagram=P.MAX_DATAGRAM, max_steps=1_000_000, slots=None, max_entries=0xFFFF, batch=0.5):
+    """Run one allreduce of `arrays` (one per rank) through `aggs`; return each rank's output.
+    `batch`: the chance that a worker takes one more of its queued datagrams in the same receive_many."""
     rng = random.Random(seed)
     world = len(arrays)
     granted = join_all(aggs, world, block_size) if slots is None else slots
@@ -85,7 +86,14 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
                 for _, r in dests:
                     post("worker", r, idx, reply)
         else:
-            machines[idx].receive(src, data, now)
+            # a worker that drains its socket takes several queued datagrams at once
+            taken = [(src, data)]
+            while len(taken) < 16 and rng.random() < batch:
+                j = next((j for j, q in enumerate(queue) if q[0] == "worker" and q[1] == idx), None)
+                if j is None:
+                    break
+                taken.append(queue.pop(j)[2:])
+            machines[idx].receive_many(taken, now)
             # flush at once or let results pile up, as a busy worker would
             if rng.random() < 0.7 or not any(q[0] == "worker" and q[1] == idx for q in queue):
                 for a, d2 in machines[idx].flush(now):

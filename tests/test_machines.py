@@ -43,6 +43,18 @@ def test_streaming_matches_reference(world, n, block_size, density, naggs, slots
         assert np.array_equal(o, ref)
 
 
+def test_repeated_results_in_one_batch_count_once():
+    """Every datagram arrives twice and workers take their queue in batches: a result repeated within
+    a batch is applied once and counted as a duplicate, as it would be arriving later on its own."""
+    rng = np.random.default_rng(11)
+    arrays = sparse_arrays(rng, 3, 16 * 300, 16, 0.4)
+    outs, machines = run(arrays, [AggregatorMachine(1, 3, slots=8)], block_size=16, dup=1.0, batch=1.0)
+    ref = reference_allreduce(arrays, 16)
+    for o, m in zip(outs, machines):
+        assert np.array_equal(o, ref)
+        assert m.drops.get("duplicate_result", 0) > 0
+
+
 def test_only_nonzero_blocks_carry_data():
     rng = np.random.default_rng(3)
     arrays = sparse_arrays(rng, 4, 256 * 400, 256, 0.02)
