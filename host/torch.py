@@ -63,8 +63,8 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     def run():
         try:
             if state.compressor is None:
-                out = state.worker.allreduce(buffer, out=buffer)
-                fut.set_result(out.div_(world))
+                # Averaged as the blocks arrive: no second pass over the (mostly zero) bucket.
+                fut.set_result(state.worker.allreduce(buffer, out=buffer, average=True))
                 return
             # Compressors work on host arrays; they return the averaged estimate themselves.
             grad = buffer.detach().cpu().numpy()

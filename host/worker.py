@@ -183,18 +183,22 @@ class Worker:
                 f"within {self.timeout:.1f} s")
 
     # -- allreduce ----------------------------------------------------------------------------------
-    def allreduce(self, x, out=None):
+    def allreduce(self, x, out=None, *, average: bool = False):
         """Sum `x` over all ranks; returns an array of the same shape and dtype (float32 or int32).
 
         x: a numpy array or a torch tensor (on any device; the result is on the same device).
         out: where to write the sum (same shape and dtype); `out=x` reduces in place, which avoids
         allocating and zero-filling a result. By default a new array/tensor is returned.
+        average: divide the sum by the number of ranks (float32 only), as each block arrives: the same
+        values as dividing the result afterwards, without another pass over the whole tensor.
         """
         if self.sock is None:
             raise ZeroSumError("worker is not open: use `with zerosum.Worker(...) as w:` or call open()")
         if tensors.is_tensor(x):
-            return self._allreduce_tensor(x, out)
+            return self._allreduce_tensor(x, out, average)
         arr = np.asarray(x)
+        if average and arr.dtype != np.float32:
+            raise ValueError(f"average=True needs float32 data, not {arr.dtype}")
         flat = np.ascontiguousarray(arr).reshape(-1)
         view = BlockView(flat, self.block_size)
         sparse = find_nonzero_blocks(view)
@@ -211,10 +215,10 @@ class Worker:
                     raise ValueError("out overlaps x without being x: pass out=x to reduce in place")
             else:
                 result[...] = 0
-        self._reduce(view, sparse, BlockView(result.reshape(-1), self.block_size))
+        self._reduce(view, sparse, BlockView(result.reshape(-1), self.block_size), average)
         return result
 
-    def _allreduce_tensor(self, t, out):
+    def _allreduce_tensor(self, t, out, average):
         tensors.check_dtype(t)
         if out is not None and (not tensors.is_tensor(out) or out.shape != t.shape or out.dtype != t.dtype
                                 or out.device != t.device or not out.is_contiguous()):
@@ -226,19 +230,22 @@ class Worker:
             src = t.detach()
             if not src.is_contiguous():
                 src = src.contiguous()
-            res = self.allreduce(src.numpy(), out=None if out is None else out.detach().numpy())
+            res = self.allreduce(src.numpy(), out=None if out is None else out.detach().numpy(),
+                                 average=average)
             return out if out is not None else sys.modules["torch"].from_numpy(res)
         view, sparse = tensors.gather_nonzero(t, self.block_size)
+        if average and view.is_int:
+            raise ValueError(f"average=True needs float32 data, not {t.dtype}")
         sink = CollectedBlocks(np.int32 if view.is_int else np.float32)
-        self._reduce(view, sparse, sink)
+        self._reduce(view, sparse, sink, average)
         return tensors.scatter_result(t, sink, self.block_size, out)
 
-    def _reduce(self, view, sparse, sink) -> None:
+    def _reduce(self, view, sparse, sink, average: bool = False) -> None:
         """One allreduce: a new epoch, then the state machine until every column is done."""
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
         if view.nblocks:
             layout = Layout(len(self.aggregators), self.slots, view.nblocks)
-            self._run(AllreduceMachine(self.config, self.epoch, view, sparse, layout, sink))
+            self._run(AllreduceMachine(self.config, self.epoch, view, sparse, layout, sink, average=average))
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:

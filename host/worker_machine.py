@@ -41,8 +41,10 @@ class WorkerConfig:
 
 class AllreduceMachine:
     def __init__(self, config: WorkerConfig, epoch: int, view: BlockView, sparse: SparseBlocks,
-                 layout: Layout, output: BlockView):
+                 layout: Layout, output: BlockView, average: bool = False):
         self.cfg = config
+        # Divide float sums by the world size as they are stored (DDP's averaging without a full pass).
+        self.divisor = np.float32(config.world) if average and not view.is_int else None
         self.epoch = epoch
         self.view = view
         self.layout = layout
@@ -238,7 +240,10 @@ class AllreduceMachine:
             if self.is_int:
                 self.output.store(block[has], sums)
             else:
-                self.output.store(block[has], dequantize(sums, exp[has], self.cfg.world))
+                values = dequantize(sums, exp[has], self.cfg.world)
+                if self.divisor is not None:
+                    values /= self.divisor
+                self.output.store(block[has], values)
         self.mine_pos[cols[sent_data]] += 1
         if (nxt > self._mine(cols)).any():
             raise ProtocolViolation("aggregator skipped a block this worker still has to send")

@@ -60,6 +60,29 @@ def test_shapes_in_place_and_out(agg3):
         assert e.shape == (7, 0)
 
 
+def test_average_equals_the_sum_divided_by_the_world(agg3):
+    """average=True divides each block as it arrives: bit for bit the sum / 3, in every path."""
+    import torch
+    xs = [sparse_tensor(r, 3, 5 * 257, 0.3) for r in range(3)]
+    expect = reference_allreduce(xs) / np.float32(3)
+
+    def fn(rank, w):
+        a = w.allreduce(xs[rank], average=True)
+        b = xs[rank].copy()
+        w.allreduce(b, out=b, average=True)
+        w.gather_on_device = True            # the device path (gather, collect, scatter), on the CPU
+        c = w.allreduce(torch.from_numpy(xs[rank].copy()), average=True).numpy()
+        with pytest.raises(ValueError, match="needs float32"):
+            w.allreduce(np.ones(4, np.int32), average=True)
+        with pytest.raises(ValueError, match="needs float32"):
+            w.allreduce(torch.ones(4, dtype=torch.int32), average=True)
+        return a, b, c
+
+    for results in run_threads(3, agg3.address, fn):
+        for r in results:
+            assert r.dtype == np.float32 and r.tobytes() == expect.tobytes()
+
+
 def test_bad_arguments(agg3):
     with pytest.raises(ValueError, match="rank must be"):
         zerosum.Worker(3, 3, [agg3.address])
