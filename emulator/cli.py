@@ -10,7 +10,8 @@ zerosum.switch_p4.control.apply_plan), through the same P4Runtime endpoint. In U
 which bind those ports (Worker(..., block_size=64, max_entries=1, bind="IP:PORT")):
 
     zerosum switch --udp 10.1.0.2:48879 --members 10.1.0.10:48880 10.1.0.11:48880
- Also runnable as `python -m zerosum.emulator.cli switch ...`.
+
+Also runnable as `python -m zerosum.emulator.cli switch ...`.
 """
 from __future__ import annotations
 
