@@ -1,11 +1,12 @@
 """The worker's side of one allreduce, as a pure state machine (no sockets, no clocks).
 
 Drive it with `start(now)`, then `receive(aggregator, datagram, now)` for every datagram from an
-aggregator (or `receive_many` for several queued ones at once), `flush(now)` when there is nothing more to read, and `poll(now)` when `deadline_at` has
-passed; start, flush and poll return the datagrams to send as (aggregator index, bytes). Results only
-mark their columns ready; flush sends all ready columns together, so a worker that has fallen behind
-catches up with fewer, fuller datagrams. `done` turns true when every column has reached END; `output` then holds
-the sum. The caller supplies `now` (seconds, monotonic), so tests can drive time.
+aggregator (or `receive_many` for several queued ones at once), `flush(now)` when there is nothing
+more to read, and `poll(now)` when `deadline_at` has passed; start, flush and poll return the
+datagrams to send as (aggregator index, bytes). Results only mark their columns ready; flush sends all
+ready columns together, so a worker that has fallen behind catches up with fewer, fuller datagrams.
+`done` turns true when every column has reached END; `output` then holds the sum. The caller supplies
+`now` (seconds, monotonic), so tests can drive time.
 
 Per column the worker keeps the block of the current round and its agreed exponent, and a pointer to
 its own next non-zero block in the column. In each round it sends one entry per column: the data of the
@@ -44,7 +45,7 @@ class AllreduceMachine:
                  layout: Layout, output: BlockView, average: bool = False):
         self.cfg = config
         # Divide float sums by the world size as they are stored (DDP's averaging without a full pass).
-        self.divisor = np.float32(config.world) if average and not view.is_int else None
+        self.divisor = np.float32(config.world) if average else None
         self.epoch = epoch
         self.view = view
         self.layout = layout
