@@ -21,7 +21,7 @@ import logging
 import signal
 import sys
 import time
-from ..argtypes import rate as _rate
+from ..argtypes import positive_int, rate as _rate
 
 ANNOUNCE = "zerosum-switch-ready"
 
@@ -65,7 +65,7 @@ def configure_arguments(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--members", type=_address, nargs="+", metavar="IP:PORT",
                    help="UDP mode: serve one job of workers sending from these addresses, in rank order")
     s.add_argument("--job", type=int, default=1, help="the job id of --members (default 1)")
-    s.add_argument("--slots", type=int, default=256, help="aggregation slots of the --members job")
+    s.add_argument("--slots", type=positive_int, default=256, help="aggregation slots of the --members job")
     s.add_argument("--duration", type=_seconds, metavar="SECONDS", help="stop after this long")
     s.add_argument("--idle-exit", type=_seconds, metavar="SECONDS",
                    help="stop once no frame has arrived for this long (after the first one)")

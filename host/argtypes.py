@@ -13,3 +13,14 @@ def rate(text):
     if not 0 <= v < 1:
         raise argparse.ArgumentTypeError(f"loss must be in [0, 1) or 0%..99%, got {text}")
     return v
+
+
+def positive_int(text):
+    """An integer of at least 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v

@@ -5,7 +5,7 @@ import argparse
 import logging
 import signal
 import sys
-from .argtypes import rate as _rate
+from .argtypes import positive_int as _positive_int, rate as _rate
 
 from . import protocol as P
 
@@ -15,16 +15,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def _densities(text):

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ..argtypes import positive_int
 from .harness import parse_args, train
 
 TABLES, ROWS, DIM, LOOKUPS = 4, 100_000, 32, 2
@@ -44,11 +45,9 @@ def batch(gen, size, rows: int = ROWS):
 
 
 def main():
-    args = parse_args(__doc__, lambda p: p.add_argument("--rows", type=int, default=ROWS,
+    args = parse_args(__doc__, lambda p: p.add_argument("--rows", type=positive_int, default=ROWS,
                                                       help=f"rows per embedding table (default {ROWS:,})"),
                       steps=30, batch=256, lr=0.5)
-    if args.rows < 1:
-        raise SystemExit("--rows must be positive")
     train(functools.partial(Recommender, args.rows), functools.partial(batch, rows=args.rows),
           torch.nn.functional.binary_cross_entropy_with_logits, args)
 
