@@ -122,7 +122,7 @@ def e2(args, plt, lines):
              "for that run. Why λ matters: DIANA learns its shifts at rate α = 1/(1+ω), and with τ = m/n, "
              "ω ≈ n − 1, which adds about n·log(1/ε) steps to the dense count of about κ·log(1/ε) "
              f"(κ = L/λ = {L / lam:.0f} here). Steps stay nearly flat in n while κ ≫ n; with a larger λ "
-             "(`--e2-lam 0.1`, κ ≈ 30) they grow with n beyond 8 workers.", "",
+             f"(`--e2-lam 0.1`, κ = {(L - lam + 0.1) / 0.1:.0f}) they grow with n beyond 8 workers.", "",
              "| n | τ | dense: steps | raw: steps | DIANA: steps | DIANA, ESO step: steps | dense kbit/worker | "
              "DIANA kbit/worker | ZeroSum bits ratio | payload bits ratio |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
