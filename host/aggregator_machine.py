@@ -1,32 +1,62 @@
 """The aggregator's side of the protocol, as a pure state machine (no sockets, no clocks).
 
 `receive(datagram, source)` takes one datagram and the opaque address it came from and returns the
-replies to send at once as (destination addresses, bytes): JOIN_ACKs, STATUS and shadow results for
+replies to send at once as (destination addresses, datagram): JOIN_ACKs, STATUS and shadow results for
 retransmissions. Completed rounds are collected, and `flush()` returns their RESULT datagrams for all
 workers: a server calls it when its socket has nothing more queued, so that when it is busy, the rounds
-completed by many contributions go out in few, full datagrams. Slot state lives in arrays indexed by slot, and each datagram's
-entries are processed together with numpy, as a switch pipeline processes one packet's fields.
+completed by many contributions go out in few, full datagrams. Returned datagrams are memoryviews into
+the machine's own buffer, valid until the call after next into the machine (so `receive(...) + flush()`
+is safe): a driver sends them at once (or copies them).
 
-The same names as the P4 program (switch_p4/) are used for the per-slot registers:
-  slot_epoch, slot_block (the current round's block), slot_exp (its agreed exponent), bitmap, count,
-  min_next, min_next_exp, has_data, acc (the running sum) and, for idempotent retransmissions, the
-  shadow copy of the previous round's result: shadow, prev_epoch, prev_block, prev_next, prev_exp,
-  prev_next_exp, prev_has_data.
+The data path (validation, the int32 add, completion, shadow copy, RESULT and STATUS encoding) is in
+zerosum.kernels; this class keeps the control flow per datagram and membership. Slot state is one
+int64 register array (slots x registers) with the P4 program's register names (kernels.REGISTERS:
+slot_epoch, slot_block, slot_exp, bitmap, count, min_next, min_next_exp, has_data, and for idempotent
+retransmissions the previous round: prev_epoch, prev_block, prev_next, prev_exp, prev_next_exp,
+prev_has_data), plus the running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
+Counters are one int64 array indexed by COUNTERS (docs/protocol.md, "Counters").
 """
 from __future__ import annotations
 
 import secrets
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import kernels as K
 from . import protocol as P
 
+COUNTERS = ("datagrams", "joins", "job_restarts", "rounds", "duplicates", "retransmissions_answered",
+            "drop_short", "drop_version", "drop_type", "drop_length", "drop_flags", "drop_range",
+            "drop_exponent", "drop_foreign_job", "drop_not_member", "drop_geometry", "drop_join_world",
+            "drop_join_block_size", "drop_stale", "drop_mismatch", "send_errors")
+C = {name: i for i, name in enumerate(COUNTERS)}
+_HEADER = struct.Struct(">BBHHHIIHH")
 
-def newer(a: np.ndarray | int, b: np.ndarray | int):
-    """Serial-number comparison of 32-bit epochs (RFC 1982): a is after b."""
-    d = (np.asarray(a, np.int64) - np.asarray(b, np.int64)) & 0xFFFFFFFF
-    return (d != 0) & (d < 0x80000000)
+
+class Counters(Mapping):
+    """The counters as a read-only mapping name -> count (the names users see), over one int64 array.
+    Like a dict of what happened: counters still at zero are not listed."""
+
+    def __init__(self):
+        self.array = np.zeros(len(COUNTERS), np.int64)
+
+    def __getitem__(self, name: str) -> int:
+        value = int(self.array[C[name]])
+        if not value:
+            raise KeyError(name)
+        return value
+
+    def __iter__(self):
+        return (name for name, v in zip(COUNTERS, self.array.tolist()) if v)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.array))
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.array[C[name]] += n
 
 
 @dataclass
@@ -49,24 +79,16 @@ class JobState:
 
     def allocate(self, block_size: int) -> None:
         """(Re)initialise the slot registers for a new set of workers."""
-        n, self.block_size = self.slots, block_size
-        self.slot_epoch = np.zeros(n, np.int64)
-        self.slot_block = np.full(n, P.END, np.int64)
-        self.slot_exp = np.full(n, P.NO_EXP, np.int64)
-        self.slot_tensor_blocks = np.zeros(n, np.int64)
-        self.bitmap = np.zeros(n, np.int64)
-        self.count = np.zeros(n, np.int64)
-        self.min_next = np.full(n, P.END, np.int64)
-        self.min_next_exp = np.full(n, P.NO_EXP, np.int64)
-        self.has_data = np.zeros(n, bool)
-        self.acc = np.zeros((n, block_size), np.int32)
-        self.shadow = np.zeros((n, block_size), np.int32)
-        self.prev_epoch = np.zeros(n, np.int64)
-        self.prev_block = np.full(n, P.END, np.int64)
-        self.prev_next = np.full(n, P.END, np.int64)
-        self.prev_exp = np.full(n, P.NO_EXP, np.int64)
-        self.prev_next_exp = np.full(n, P.NO_EXP, np.int64)
-        self.prev_has_data = np.zeros(n, bool)
+        self.block_size = block_size
+        self.regs = np.tile(np.array(K.REGISTER_RESET, np.int64), (self.slots, 1))
+        self.acc = np.zeros((self.slots, block_size), np.int32)
+        self.shadow = np.zeros((self.slots, block_size), np.int32)
+
+    def __getattr__(self, name: str):
+        # The registers by name, as views of one column of `regs` (e.g. state.bitmap).
+        if name in K.REGISTERS and "regs" in self.__dict__:
+            return self.__dict__["regs"][:, K.REGISTERS.index(name)]
+        raise AttributeError(name)
 
 
 class AggregatorMachine:
@@ -79,208 +101,156 @@ class AggregatorMachine:
         if not 1 <= slots <= 0xFFFF:
             raise ValueError(f"slots must be 1..65535, got {slots}")
         self.state = JobState(job, world, slots)
-        self._scratch = np.zeros(slots, np.int64)
+        self.state.allocate(1)
         self.max_block_size = max_block_size
         self.max_datagram = max_datagram
-        self.counters: dict[str, int] = {}
-        self.completed: dict[tuple[int, int], list[np.ndarray]] = {}   # (epoch, tensor_blocks) -> slots
+        self.counters = Counters()
+        self._seen = np.zeros(slots, np.int64)
+        self._stamp = 0
+        self._done = np.zeros(slots, np.int64)          # slots completed since the last flush
+        self._replies = np.zeros((2, slots), np.int64)  # duplicates, retransmissions of this datagram
+        self._counts = np.zeros(6, np.int64)
+        self._pending_key = None                        # (epoch, tensor_blocks) of the completed rounds
+        self._out = np.zeros(0, np.uint8)
+        self._used = 0
+        self._cuts = np.zeros((slots + 1, 2), np.int64)
+
+    @property
+    def completed(self) -> bool:
+        """Whether rounds completed since the last flush (their results are still to be sent)."""
+        return bool(self._counts[0])
 
     def count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        self.counters.add(name, n)
 
-    def _header(self, ptype: int, epoch: int = 0, tensor_blocks: int = 0, entries: int = 0) -> P.Header:
-        s = self.state
-        return P.Header(ptype, s.job, P.AGGREGATOR_RANK, s.world, epoch, tensor_blocks, s.block_size, entries)
+    def _begin(self) -> None:
+        """Start a call's output in the half of the buffer the previous call did not end in."""
+        self._used = 0 if self._used >= len(self._out) // 2 else len(self._out) // 2
 
-    def receive(self, datagram, source) -> list[tuple[list, bytes]]:
-        try:
-            d = P.decode(datagram)
-        except P.ProtocolError as e:
-            self.count(f"drop_{e.reason}")
+    def receive(self, datagram, source) -> list[tuple[list, memoryview]]:
+        self._begin()
+        n = len(datagram)
+        if n < P.PACKET_HEADER_SIZE:
+            self.count("drop_short")
             return []
-        h, s = d.header, self.state
-        if h.job != s.job:
-            self.count("drop_foreign_job")
+        version, ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = _HEADER.unpack_from(datagram)
+        if version != P.VERSION:
+            self.count("drop_version")
             return []
-        if h.type == P.JOIN:
-            return self._join(h, source)
-        if h.type != P.DATA:
+        if ptype not in P.TYPE_NAMES:
             self.count("drop_type")
             return []
-        member = s.members.get(h.rank)
+        s = self.state
+        if job != s.job:
+            self.count("drop_foreign_job")
+            return []
+        if ptype == P.JOIN:
+            if nent or n != P.PACKET_HEADER_SIZE:
+                self.count("drop_length")
+                return []
+            return self._join(rank, world, epoch, block_size, source)
+        if ptype != P.DATA:
+            self.count("drop_type")
+            return []
+        member = s.members.get(rank)
         if member is None or member.address != source:
             self.count("drop_not_member")
             return []
-        if h.world != s.world or h.block_size != s.block_size:
+        if world != s.world or block_size != s.block_size:
             self.count("drop_geometry")
             return []
         self.count("datagrams")
-        return self._data(d, source)
+        return self._data(datagram, n, nent, epoch, tensor_blocks, rank, source)
 
     # -- membership ---------------------------------------------------------------------------------
-    def _join(self, h: P.Header, source) -> list[tuple[list, bytes]]:
+    def _join(self, rank: int, world: int, nonce: int, block_size: int, source) -> list[tuple[list, bytes]]:
         s = self.state
-        if h.world != s.world or h.rank >= s.world:
+        if world != s.world or rank >= s.world:
             self.count("drop_join_world")
             return []
-        if not 1 <= h.block_size <= self.max_block_size:
+        if not 1 <= block_size <= self.max_block_size:
             self.count("drop_join_block_size")
             return []
-        member = s.members.get(h.rank)
-        if member is not None and member.nonce != h.epoch:
+        member = s.members.get(rank)
+        if member is not None and member.nonce != nonce:
             # A new incarnation of a registered rank: a new run of the job starts from scratch.
             self.count("job_restarts")
             s.members.clear()
-        if s.members and h.block_size != s.block_size:
+        if s.members and block_size != s.block_size:
             self.count("drop_join_block_size")
             return []
         if not s.members:
-            s.allocate(h.block_size)
-            self.completed.clear()
-        s.members[h.rank] = Member(source, h.epoch)
+            s.allocate(block_size)
+            self._counts[0] = 0
+            self._pending_key = None
+            # two halves, each with room for one call's output: a flush of every slot and the replies
+            # to one datagram
+            per_slot = P.ENTRY_SIZE + 4 * block_size + P.PACKET_HEADER_SIZE
+            self._out = np.zeros(2 * 3 * s.slots * per_slot, np.uint8)
+            self._used = 0
+        s.members[rank] = Member(source, nonce)
         self.count("joins")
-        ack = P.encode(self._header(P.JOIN_ACK, epoch=h.epoch), body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap))
-        return [([source], ack)]
+        header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, 0, s.block_size, 0)
+        return [([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap)))]
 
     # -- the data path ------------------------------------------------------------------------------
-    def _data(self, d: P.Datagram, source) -> list[tuple[list, bytes]]:
-        s, h = self.state, d.header
-        slot, block = d.slot, d.block
-        if len(slot) == 0:
+    def _data(self, datagram, n, nent, epoch, tensor_blocks, rank, source) -> list[tuple[list, memoryview]]:
+        s = self.state
+        if nent == 0:
             return []
-        if slot.max() >= s.slots or P.repeats_a_slot(slot, self._scratch):
-            self.count("drop_range")
-            return []
-        epoch = h.epoch
-        rank_bit = np.int64(1) << h.rank
-
-        # A bootstrap entry of a newer epoch starts the slot's next allreduce. The previous round
-        # (prev_*, shadow) is kept: a worker that lost the last result of the old epoch still gets it.
-        boot = (block == P.BOOT) & newer(epoch, s.slot_epoch[slot])
-        if boot.any():
-            b = slot[boot]
-            s.slot_epoch[b] = epoch
-            s.slot_block[b] = P.BOOT
-            s.slot_exp[b] = P.NO_EXP
-            s.slot_tensor_blocks[b] = h.tensor_blocks
-            s.bitmap[b] = 0
-            s.count[b] = 0
-            s.min_next[b] = P.END
-            s.min_next_exp[b] = P.NO_EXP
-            partial = b[s.has_data[b]]      # an abandoned round left a partial sum behind
-            s.acc[partial] = 0
-            s.has_data[b] = False
-
-        current = (s.slot_epoch[slot] == epoch) & (block == s.slot_block[slot])
-        dup = current & ((s.bitmap[slot] & rank_bit) != 0)
-        fresh = current & ~dup
-        previous = ~current & (s.prev_epoch[slot] == epoch) & (s.prev_block[slot] == block)
-        stale = ~(current | previous)
-        if stale.any():
-            self.count("drop_stale", int(np.count_nonzero(stale)))
-
-        bad = fresh & ((d.has & (d.exp != s.slot_exp[slot])) | (s.slot_tensor_blocks[slot] != h.tensor_blocks))
-        if bad.any():
-            # The worker disagrees with the slot about the block's exponent or the tensor: never add it.
-            self.count("drop_mismatch", int(np.count_nonzero(bad)))
-            fresh &= ~bad
-
-        out: list[tuple[list, bytes]] = []
-        if fresh.any():
-            out += self._accumulate(d, fresh, rank_bit)
-        if dup.any():
-            self.count("duplicates", int(np.count_nonzero(dup)))
-            out.append(([source], self._status(slot[dup], epoch, h.tensor_blocks)))
-        if previous.any():
-            self.count("retransmissions_answered", int(np.count_nonzero(previous)))
-            out += [([source], r) for r in self._shadow_results(slot[previous], epoch, h.tensor_blocks)]
+        out: list[tuple[list, memoryview]] = []
+        key = (epoch, tensor_blocks)
+        if self._counts[0] and key != self._pending_key:
+            out += self._flush()    # rounds of another allreduce completed since the last flush: send them first
+        counts = self._counts
+        counts[1:] = 0
+        self._stamp += 1
+        reason = K.contribute(np.frombuffer(datagram, np.uint8), n, nent, epoch, tensor_blocks, rank, s.world,
+                              s.block_size, s.regs, s.acc, s.shadow, self._seen, self._stamp, self._done,
+                              counts, self._replies)
+        if reason != K.OK:
+            self.counters.array[C["datagrams"]] -= 1
+            self.count(K.DROP_REASONS[reason])
+            return out
+        if counts[0]:
+            self._pending_key = key
+        a = self.counters.array
+        a[C["drop_stale"]] += counts[3]
+        a[C["drop_mismatch"]] += counts[4]
+        a[C["rounds"]] += counts[5]
+        if counts[1]:
+            a[C["duplicates"]] += counts[1]
+            out += [([source], d) for d in self._encode(self._replies[0, :counts[1]], True, key)]
+        if counts[2]:
+            a[C["retransmissions_answered"]] += counts[2]
+            out += [([source], d) for d in self._encode(self._replies[1, :counts[2]], False, key)]
         return out
 
-    def _accumulate(self, d: P.Datagram, fresh: np.ndarray, rank_bit) -> list[tuple[list, bytes]]:
-        s = self.state
-        if fresh.all():
-            slot, has, nxt, nexp = d.slot, d.has, d.next, d.next_exp
-            data = d.data
-        else:
-            slot, has, nxt, nexp = d.slot[fresh], d.has[fresh], d.next[fresh], d.next_exp[fresh]
-            data = d.data[d.row[fresh & d.has]]
-        if len(data):
-            # Slots are unique within a datagram, so the fancy-indexed add touches each row once.
-            dst = slot[has]
-            s.acc[dst] += data
-            s.has_data[dst] = True
-        s.bitmap[slot] |= rank_bit
-        s.count[slot] += 1
-        cur_min, cur_exp = s.min_next[slot], s.min_next_exp[slot]
-        less, same = nxt < cur_min, nxt == cur_min
-        s.min_next[slot] = np.where(less, nxt, cur_min)
-        s.min_next_exp[slot] = np.where(less, nexp, np.where(same, np.maximum(cur_exp, nexp), cur_exp))
-
-        done = slot[s.count[slot] == s.world]
-        if len(done) == 0:
-            return []
-        # The round is complete: its result becomes the shadow copy, the slot moves to the minimum next.
-        with_data = done[s.has_data[done]]   # header-only rounds have nothing to copy or clear
-        s.shadow[with_data] = s.acc[with_data]
-        s.acc[with_data] = 0
-        s.prev_epoch[done] = s.slot_epoch[done]
-        s.prev_block[done] = s.slot_block[done]
-        s.prev_next[done] = s.min_next[done]
-        s.prev_exp[done] = s.slot_exp[done]
-        s.prev_next_exp[done] = s.min_next_exp[done]
-        s.prev_has_data[done] = s.has_data[done]
-        s.slot_block[done] = s.min_next[done]
-        s.slot_exp[done] = s.min_next_exp[done]
-        s.bitmap[done] = 0
-        s.count[done] = 0
-        s.min_next[done] = P.END
-        s.min_next_exp[done] = P.NO_EXP
-        s.has_data[done] = False
-        self.count("rounds", len(done))
-        self.completed.setdefault((d.header.epoch, d.header.tensor_blocks), []).append(done)
-        return []
-
-    def flush(self) -> list[tuple[list, bytes]]:
+    def flush(self) -> list[tuple[list, memoryview]]:
         """RESULT datagrams, for every worker, of the rounds completed since the last flush."""
-        if not self.completed:
+        self._begin()
+        return self._flush()
+
+    def _flush(self) -> list[tuple[list, memoryview]]:
+        n = int(self._counts[0])
+        if not n:
             return []
+        slots = self._done[:n]
+        self.state.regs[slots, K.PENDING] = 0
+        self._counts[0] = 0
         addresses = [m.address for _, m in sorted(self.state.members.items())]
-        out = []
-        for (epoch, tensor_blocks), parts in self.completed.items():
-            slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            out += [(addresses, r) for r in self._shadow_results(slots, epoch, tensor_blocks)]
-        self.completed.clear()
-        return out
+        return [(addresses, d) for d in self._encode(slots, False, self._pending_key)]
 
-    def _shadow_results(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> list[bytes]:
-        """RESULT datagrams for these slots' previous rounds (a result may need more datagrams than
-        the contribution that completed it: other workers' data makes it larger)."""
-        has = self.state.prev_has_data[slot]
-        cuts = P.split_points(has, self.state.block_size, self.max_datagram)
-        return [self._shadow_result(slot[a:b], epoch, tensor_blocks)
-                for a, b in zip(cuts[:-1], cuts[1:])]
-
-    def _shadow_result(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> bytes:
+    def _encode(self, slots: np.ndarray, status: bool, key) -> list[memoryview]:
+        """RESULT (from the shadow copy) or STATUS datagrams for these slots, to send at once."""
         s = self.state
-        ent = P.entries_array(len(slot))
-        ent["slot"] = slot
-        has = s.prev_has_data[slot]
-        ent["flags"] = np.where(has, P.HAS_DATA, 0)
-        ent["block"] = s.prev_block[slot]
-        ent["next"] = s.prev_next[slot]
-        ent["exp"] = s.prev_exp[slot]
-        ent["next_exp"] = s.prev_next_exp[slot]
-        return P.encode(self._header(P.RESULT, epoch, tensor_blocks), ent, s.shadow[slot[has]])
-
-    def _status(self, slot: np.ndarray, epoch: int, tensor_blocks: int) -> bytes:
-        s = self.state
-        ent = P.entries_array(len(slot))
-        ent["slot"] = slot
-        ent["block"] = s.slot_block[slot]
-        ent["next"] = s.bitmap[slot]
-        ent["exp"] = P.NO_EXP
-        ent["next_exp"] = P.NO_EXP
-        return P.encode(self._header(P.STATUS, epoch, tensor_blocks), ent)
+        hdr = np.array([s.job, s.world, key[0], key[1], s.block_size], np.int64)
+        out = self._out[self._used:]
+        nd = K.encode_slots(out, self._cuts, slots, len(slots), status, s.regs, s.shadow, hdr, self.max_datagram)
+        view = memoryview(out)
+        cuts = self._cuts[:nd].tolist()
+        self._used += cuts[-1][1]
+        return [view[a:b] for a, b in cuts]
 
 
 def new_nonce() -> int:

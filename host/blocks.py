@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fixedpoint import block_exponents
-from .protocol import INT_EXP, MAX_BLOCKS
+from . import kernels
+from .protocol import INT_EXP, MAX_BLOCKS, NO_EXP
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
 
@@ -67,37 +67,6 @@ class BlockView:
         start = self.nfull * self.block_size
         self.flat[start:] = rows[~inner][0, : self.flat.size - start]
 
-    def _any_bits(self, rows: np.ndarray) -> np.ndarray:
-        """Whether each row has a non-zero bit pattern: one pass over the raw integers (-0.0 counts)."""
-        return rows.view(np.uint32).max(axis=1) != 0 if rows.shape[1] else np.zeros(len(rows), bool)
-
-    @staticmethod
-    def _max_abs_rows(rows: np.ndarray) -> np.ndarray:
-        # max and -min instead of abs(): no temporary the size of the data
-        return np.maximum(rows.max(axis=1), -rows.min(axis=1))
-
-    def max_abs(self) -> np.ndarray:
-        """Largest magnitude per block (float32; for int32 data 1.0 marks a non-zero block).
-
-        A cheap integer pass finds the candidate blocks first, so sparse tensors only pay for
-        magnitudes where there is data.
-        """
-        out = np.zeros(self.nblocks, np.float32)
-        for base, rows in ((0, self.full), (self.nfull, self.tail)):
-            if rows is None or len(rows) == 0:
-                continue
-            live = self._any_bits(rows)
-            if self.is_int:
-                out[base: base + len(rows)] = live
-                continue
-            idx = np.flatnonzero(live)
-            if len(idx) > len(rows) // 2:
-                out[base: base + len(rows)] = self._max_abs_rows(rows)
-            elif len(idx):
-                out[base + idx] = self._max_abs_rows(rows[idx])
-        return out
-
-
 @dataclass
 class SparseBlocks:
     """What a worker knows about its own tensor: which blocks are non-zero and their exponents."""
@@ -105,37 +74,119 @@ class SparseBlocks:
     exponents: np.ndarray  # int32 per block: frexp exponent of max|x| (INT_EXP for int32 data)
 
 
+def scan(values: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-zero blocks of a flat float32/int32 array and their exponents, in one compiled pass.
+
+    Returns (sorted block indices, int32 exponents: frexp of the largest magnitude, INT_EXP for int32
+    data). Rejects NaN and infinity, which fixed point cannot carry.
+    """
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"allreduce supports float32 and int32 arrays, not {flat.dtype}")
+    nblocks = block_count(flat.size, block_size)
+    blocks = np.empty(nblocks, np.int64)
+    exps = np.empty(nblocks, np.int32)
+    count, bad = kernels.scan_blocks(flat.view(np.uint32), block_size, flat.dtype == np.int32, blocks, exps)
+    if bad >= 0:
+        raise ValueError(f"tensor has NaN or infinite values (first in block {bad}, elements "
+                         f"{bad * block_size}..{(bad + 1) * block_size - 1}); "
+                         f"fixed-point aggregation cannot carry them")
+    return blocks[:count], exps[:count]
+
+
 def find_nonzero_blocks(view: BlockView) -> SparseBlocks:
-    """Detect the non-zero blocks; reject NaN and infinity, which fixed point cannot carry."""
-    maxabs = view.max_abs()
-    if not view.is_int:
-        bad = ~np.isfinite(maxabs)
-        if bad.any():
-            b = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"tensor has NaN or infinite values (first in block {b}, elements "
-                             f"{b * view.block_size}..{(b + 1) * view.block_size - 1}); "
-                             f"fixed-point aggregation cannot carry them")
-    nonzero = maxabs > 0
-    if view.is_int:
-        exps = np.full(view.nblocks, INT_EXP, np.int32)
-    else:
-        exps = block_exponents(maxabs)
-    return SparseBlocks(nonzero, exps)
+    """Which blocks of `view` are non-zero, and their exponents (NO_EXP for zero blocks)."""
+    blocks, exps = scan(view.flat, view.block_size)
+    nonzero = np.zeros(view.nblocks, bool)
+    nonzero[blocks] = True
+    all_exps = np.full(view.nblocks, NO_EXP, np.int32)
+    all_exps[blocks] = exps
+    return SparseBlocks(nonzero, all_exps)
+
+
+@dataclass
+class BlockSource:
+    """What a worker contributes: its non-zero blocks (sorted), their exponents, and where their values
+    are: row `rows[i]` (of block_size values) of the flat `values`, of which `n_values` exist (the rest
+    of a short last row is zero padding). A dense tensor is its own source (rows = blocks); block-sparse
+    input (indices and rows) and device-gathered blocks are compact sources (rows = 0..k-1)."""
+    blocks: np.ndarray      # int64, sorted, unique
+    exps: np.ndarray        # int32, one per block
+    rows: np.ndarray        # int64, one per block
+    values: np.ndarray      # flat float32, or int32 data as uint32 bits
+    n_values: int
+    nblocks: int
+    block_size: int
+    is_int: bool
+
+    @classmethod
+    def dense(cls, flat: np.ndarray, block_size: int) -> "BlockSource":
+        view = BlockView(flat, block_size)     # validates dtype, block size and the block count
+        blocks, exps = scan(flat, block_size)
+        return cls._of(flat, blocks, exps, blocks, view.nblocks, block_size)
+
+    @classmethod
+    def compact(cls, blocks: np.ndarray, rows: np.ndarray, nblocks: int) -> "BlockSource":
+        """Block-sparse input: sorted unique `blocks` and their (k, block_size) `rows`; all-zero rows
+        are left out."""
+        rows = np.ascontiguousarray(rows)
+        if rows.ndim != 2 or rows.shape[0] != len(blocks):
+            raise ValueError(f"block rows must be a (len(blocks), block_size) array, got {rows.shape} "
+                             f"for {len(blocks)} blocks")
+        block_size = rows.shape[1]
+        blocks = np.asarray(blocks, np.int64)
+        if len(blocks) and (blocks[0] < 0 or blocks[-1] >= nblocks or (np.diff(blocks) <= 0).any()):
+            raise ValueError(f"block indices must be sorted, unique and within 0..{nblocks - 1}")
+        if not 0 <= nblocks < MAX_BLOCKS:
+            raise ValueError(f"a tensor of {nblocks} blocks is not supported")
+        live, exps = scan(rows, block_size)
+        return cls._of(rows.reshape(-1), blocks[live], exps, live, nblocks, block_size)
+
+    @classmethod
+    def _of(cls, flat, blocks, exps, rows, nblocks, block_size):
+        is_int = flat.dtype == np.int32
+        values = flat.view(np.uint32) if is_int else flat
+        return cls(blocks, exps, rows.astype(np.int64, copy=False), values, flat.size, nblocks, block_size,
+                   bool(is_int))
+
+
+class DenseResult:
+    """A result sink writing sums straight into a flat array (block b at b*block_size)."""
+    collect = False
+
+    def __init__(self, flat: np.ndarray):
+        self.flat = flat
 
 
 class CollectedBlocks:
-    """A result sink that keeps the summed blocks as they arrive (to be scattered on the device)."""
+    """A result sink that keeps the summed blocks as they arrive (for sparse results and the device
+    path): rows are appended to a buffer that grows as needed."""
+    collect = True
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, block_size: int, capacity: int = 64):
         self.dtype = np.dtype(dtype)
-        self._blocks: list[np.ndarray] = []
-        self._rows: list[np.ndarray] = []
+        self.block_size = block_size
+        self.count = np.zeros(3, np.int64)     # the kernel's counters: duplicates, rows used, columns done
+        self._grow(capacity)
 
-    def store(self, blocks: np.ndarray, rows: np.ndarray) -> None:
-        self._blocks.append(np.array(blocks, np.int64))
-        self._rows.append(np.asarray(rows, self.dtype))
+    def _grow(self, capacity: int) -> None:
+        flat = np.zeros(capacity * self.block_size, self.dtype)
+        blocks = np.zeros(capacity, np.int64)
+        if hasattr(self, "flat"):
+            used = int(self.count[1])
+            flat[: used * self.block_size] = self.flat[: used * self.block_size]
+            blocks[:used] = self.blocks[:used]
+        self.flat, self.blocks, self.capacity = flat, blocks, capacity
 
-    def collected(self, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        if not self._blocks:
-            return np.zeros(0, np.int64), np.zeros((0, block_size), self.dtype)
-        return np.concatenate(self._blocks), np.concatenate(self._rows)
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more rows (called before each datagram is applied)."""
+        if self.count[1] + rows > self.capacity:
+            self._grow(max(2 * self.capacity, int(self.count[1]) + rows))
+
+    def collected(self) -> tuple[np.ndarray, np.ndarray]:
+        """(block indices, rows) of the sums received, sorted by block."""
+        used = int(self.count[1])
+        blocks = self.blocks[:used]
+        rows = self.flat[: used * self.block_size].reshape(used, self.block_size)
+        order = np.argsort(blocks, kind="stable")
+        return blocks[order], rows[order]

@@ -34,51 +34,29 @@ def block_exponents(maxabs: np.ndarray) -> np.ndarray:
     return np.where(maxabs > 0, e, NO_EXP).astype(np.int32)
 
 
-def scale_factors(shift: np.ndarray) -> list[np.ndarray]:
-    """Per-row float32 factors whose product is 2**shift, each a normal float32 power of two.
+def scale_rows(rows: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """rows * 2**shift per row, rounded once (float32 in, float32 out).
 
-    Multiplying by them in turn scales exactly; one factor in the usual case, two when a shift is
-    beyond float32's exponent range. numpy and the torch device path both scale with these.
+    np.ldexp builds the power of two from its exponent bits: exact on every CPU, unlike np.exp2,
+    whose SIMD float32 kernel returns 2**127 one ulp off on some (AVX-512) CPUs, which would make
+    hosts with different CPUs dequantise the same integer sum to different floats.
     """
-    if len(shift) == 0 or (_F32_MIN_EXP <= int(shift.min()) and int(shift.max()) <= _F32_MAX_EXP):
-        return [np.exp2(shift.astype(np.float32))]
-    first = np.clip(shift, _F32_MIN_EXP, _F32_MAX_EXP)
-    rest = shift - first
-    factors = [np.exp2(first.astype(np.float32))]
-    if rest.any():
-        factors.append(np.exp2(rest.astype(np.float32)))
-    return factors
+    return np.ldexp(rows.astype(np.float32, copy=False), shift.astype(np.int32)[:, None])
 
 
-def _scale_rows(rows: np.ndarray, shift: np.ndarray) -> None:
-    """rows *= 2**shift (per row), exactly, in place."""
-    for factor in scale_factors(shift):
-        rows *= factor[:, None]
+def quantize(rows: np.ndarray, exps: np.ndarray, world: int) -> np.ndarray:
+    """float32 rows (n, B) and agreed exponents (n,) -> int32 rows (n, B): round_half_even(x * 2**(p - e)).
 
-
-def quantize(rows: np.ndarray, exps: np.ndarray, world: int, out: np.ndarray | None = None,
-             overwrite: bool = False) -> np.ndarray:
-    """float32 rows (n, B) and agreed exponents (n,) -> int32 rows (n, B), into `out` if given.
-
-    `out` may have any int32 byte order, e.g. a big-endian view into a datagram being built.
-    With overwrite=True, `rows` (a float32 array) is used as scratch space.
+    The numpy form of the rule, for the reference sum and the tests; the data path runs the same rule
+    in the compiled kernels (zerosum.kernels), which the tests hold to this one bit for bit.
     """
-    scaled = rows if overwrite and rows.dtype == np.float32 else np.array(rows, dtype=np.float32, copy=True)
-    _scale_rows(scaled, precision_bits(world) - exps.astype(np.int64))
-    np.rint(scaled, out=scaled)
-    if out is None:
-        return scaled.astype(np.int32)
-    out[...] = scaled
-    return out
+    scaled = scale_rows(np.asarray(rows, np.float32), precision_bits(world) - exps.astype(np.int64))
+    return np.rint(scaled).astype(np.int32)
 
 
-def dequantize(sums: np.ndarray, exps: np.ndarray, world: int, out: np.ndarray | None = None) -> np.ndarray:
-    """int32 sums (n, B) with their exponents (n,) -> float32 rows (n, B)."""
-    if out is None:
-        out = np.empty(sums.shape, dtype=np.float32)
-    out[...] = sums
-    _scale_rows(out, exps.astype(np.int64) - precision_bits(world))
-    return out
+def dequantize(sums: np.ndarray, exps: np.ndarray, world: int) -> np.ndarray:
+    """int32 sums (n, B) with their exponents (n,) -> float32 rows: float32(sum) * 2**(e - p)."""
+    return scale_rows(sums.astype(np.float32), exps.astype(np.int64) - precision_bits(world))
 
 
 def max_error(exps: np.ndarray, world: int) -> np.ndarray:

@@ -1,11 +1,9 @@
 """torch tensors in `Worker.allreduce`: CPU tensors share memory with numpy; on other devices (CUDA)
-block detection, gathering and quantisation run on the device and only the non-zero blocks, as int32,
-visit host memory.
-
-Quantisation is lazy: the agreed exponent of a block (the maximum over the workers that have it) is
-only known while its column streams, so the worker state machine asks `DeviceBlocks.quantized` for
-the blocks of each datagram it builds. Scaling by a power of two and rounding half to even give the
-same integers on every device as numpy's path, so results stay bit-identical across workers.
+block detection and the gathering of non-zero blocks run on the device and only those blocks visit
+host memory, where the compiled kernels quantise them as they are packed (the agreed exponent of a
+block is only known while its column streams, so quantising on the device would cost a device round
+trip per datagram); the sums are scattered back on the device. Sparse COO tensors are turned into
+block-sparse input directly from their indices and values.
 """
 from __future__ import annotations
 
@@ -13,38 +11,7 @@ import sys
 
 import numpy as np
 
-from .blocks import CollectedBlocks, SparseBlocks, block_count
-from .fixedpoint import block_exponents, precision_bits, scale_factors
-from .protocol import INT_EXP
-
-
-class DeviceBlocks:
-    """The non-zero blocks of a tensor, kept on its device (what the worker state machine reads)."""
-
-    def __init__(self, blocks: np.ndarray, compact, nblocks: int, block_size: int):
-        self.blocks = blocks              # sorted block indices (host)
-        self.compact = compact            # their rows on the device, (len(blocks), block_size)
-        self.nblocks = nblocks
-        self.block_size = block_size
-        self.is_int = str(compact.dtype) == "torch.int32"
-
-    def _index(self, blocks: np.ndarray):
-        import torch
-        pos = np.searchsorted(self.blocks, blocks)
-        return torch.from_numpy(pos).to(self.compact.device)
-
-    def rows(self, blocks: np.ndarray) -> np.ndarray:
-        return self.compact.index_select(0, self._index(blocks)).cpu().numpy()
-
-    def quantized(self, blocks: np.ndarray, exps: np.ndarray, world: int) -> np.ndarray:
-        """int32 rows of `blocks` scaled by 2**(p - exp) and rounded half to even, on the device."""
-        import torch
-        rows = self.compact.index_select(0, self._index(blocks))
-        for factor in scale_factors(precision_bits(world) - exps.astype(np.int64)):
-            rows = rows * torch.from_numpy(factor).to(rows.device)[:, None]
-        out = torch.round(rows).to(torch.int32)
-        return (out.cpu().pin_memory() if out.is_cuda else out.cpu()).numpy()
-
+from .blocks import block_count
 
 
 def is_tensor(x) -> bool:
@@ -59,11 +26,9 @@ def check_dtype(t) -> None:
         raise TypeError(f"allreduce supports float32 and int32 tensors, not {t.dtype}")
 
 
-def gather_nonzero(t, block_size: int):
-    """Detect and gather the non-zero blocks of `t` on its device.
-
-    Returns (DeviceBlocks, SparseBlocks over all blocks on the host). Raises ValueError on NaN/inf.
-    """
+def gather_nonzero(t, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Detect and gather the non-zero blocks of `t` on its device; return (sorted block indices,
+    their rows) on the host. Raises ValueError on NaN/inf."""
     import torch
     check_dtype(t)
     flat = t.detach().reshape(-1)
@@ -73,8 +38,7 @@ def gather_nonzero(t, block_size: int):
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     rows = flat.view(nblocks, block_size)
-    is_int = t.dtype == torch.int32
-    if is_int:
+    if t.dtype == torch.int32:
         live = (rows != 0).any(dim=1)
     else:
         maxabs = rows.abs().amax(dim=1) if nblocks else torch.zeros(0, device=t.device)
@@ -87,19 +51,13 @@ def gather_nonzero(t, block_size: int):
         live = maxabs > 0
     idx = live.nonzero().squeeze(1)
     compact = rows.index_select(0, idx)
-    blocks = idx.cpu().numpy().astype(np.int64)
-    nonzero = np.zeros(nblocks, bool)
-    nonzero[blocks] = True
-    exps = np.full(nblocks, INT_EXP if is_int else -32768, np.int32)
-    if not is_int and len(blocks):
-        exps[blocks] = block_exponents(maxabs.index_select(0, idx).cpu().numpy())
-    return DeviceBlocks(blocks, compact, nblocks, block_size), SparseBlocks(nonzero, exps)
+    host = compact.cpu().pin_memory() if compact.is_cuda else compact.cpu()
+    return idx.cpu().numpy().astype(np.int64), host.numpy()
 
 
-def scatter_result(t, sink: CollectedBlocks, block_size: int, out=None):
-    """Write the collected sums into `out` (or a new zero tensor) on t's device."""
+def scatter_result(t, blocks: np.ndarray, rows: np.ndarray, block_size: int, out=None):
+    """Write summed blocks into `out` (or a new zero tensor) on t's device."""
     import torch
-    blocks, rows = sink.collected(block_size)
     n = t.numel()
     nblocks = block_count(n, block_size)
     if out is None:
@@ -110,15 +68,65 @@ def scatter_result(t, sink: CollectedBlocks, block_size: int, out=None):
             result.zero_()
     if len(blocks) == 0:
         return result
-    padded = torch.zeros(nblocks * block_size, dtype=t.dtype, device=t.device) \
-        if n % block_size else None
-    target = padded if padded is not None else result.view(-1)
-    src = torch.from_numpy(rows).to(t.device, non_blocking=True)
-    target.view(nblocks, block_size).index_copy_(0, torch.from_numpy(blocks).to(t.device), src)
-    if padded is not None:
-        # only the written blocks may change: blocks nobody sent keep the zeros `result` has there
-        mask = torch.zeros(nblocks, dtype=torch.bool, device=t.device)
-        mask[torch.from_numpy(blocks).to(t.device)] = True
-        full = mask.repeat_interleave(block_size)[:n]
-        result.view(-1)[full] = padded[:n][full]
+    src = torch.from_numpy(np.ascontiguousarray(rows)).to(t.device, non_blocking=True)
+    index = torch.from_numpy(blocks).to(t.device)
+    full = blocks < n // block_size
+    if full.all():
+        result.view(-1)[: (n // block_size) * block_size].view(-1, block_size).index_copy_(0, index, src)
+        return result
+    # the short last block: only its first n mod block_size values exist
+    head = torch.from_numpy(full).to(t.device)
+    result.view(-1)[: (n // block_size) * block_size].view(-1, block_size).index_copy_(0, index[head], src[head])
+    result.view(-1)[(nblocks - 1) * block_size:] = src[~head][0, : n - (nblocks - 1) * block_size]
     return result
+
+
+def sparse_to_blocks(t, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A sparse COO tensor (any sparse/dense split, e.g. nn.Embedding(sparse=True)'s gradient) as
+    block-sparse input: (sorted block indices, their rows, number of blocks of the dense tensor).
+    Work and memory follow the stored values, not the tensor's size."""
+    import torch
+    check_dtype(t)
+    c = t.detach().coalesce().cpu()
+    indices = c.indices().numpy()
+    values = c.values().numpy()
+    sparse_shape = tuple(t.shape[: c.sparse_dim()])
+    dense = int(np.prod(t.shape[c.sparse_dim():], dtype=np.int64))
+    position = np.ravel_multi_index(tuple(indices), sparse_shape) if indices.shape[1] else \
+        np.zeros(0, np.int64)
+    elements = (position.astype(np.int64)[:, None] * dense + np.arange(dense)).reshape(-1)
+    flat_values = values.reshape(-1)
+    keep = flat_values != 0
+    elements, flat_values = elements[keep], flat_values[keep]
+    block_of = elements // block_size
+    blocks, inverse = np.unique(block_of, return_inverse=True)
+    rows = np.zeros((len(blocks), block_size), values.dtype)
+    rows[inverse, elements % block_size] = flat_values
+    nblocks = block_count(int(np.prod(t.shape, dtype=np.int64)), block_size)
+    return blocks.astype(np.int64), rows, nblocks
+
+
+def blocks_to_sparse(t, blocks: np.ndarray, rows: np.ndarray, block_size: int):
+    """Summed blocks as a coalesced sparse COO tensor with t's shape, sparse/dense split and device:
+    every sparse index some summed block covers."""
+    import torch
+    c = t.detach()
+    sparse_dim = c.sparse_dim()
+    sparse_shape = tuple(t.shape[:sparse_dim])
+    dense_shape = tuple(t.shape[sparse_dim:])
+    dense = int(np.prod(dense_shape, dtype=np.int64))
+    n = int(np.prod(t.shape, dtype=np.int64))
+    elements = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
+    positions = np.unique(elements[elements < n] // dense)
+    wanted = (positions[:, None] * dense + np.arange(dense)).reshape(-1)
+    at = np.searchsorted(blocks, wanted // block_size)
+    found = (at < len(blocks)) & (blocks[np.minimum(at, len(blocks) - 1)] == wanted // block_size) \
+        if len(blocks) else np.zeros(len(wanted), bool)
+    values = np.zeros(len(wanted), rows.dtype)
+    values[found] = rows[at[found], wanted[found] % block_size]
+    index = np.stack(np.unravel_index(positions, sparse_shape)) if sparse_shape else \
+        np.zeros((0, len(positions)), np.int64)
+    out = torch.sparse_coo_tensor(torch.from_numpy(np.ascontiguousarray(index, np.int64)),
+                                  torch.from_numpy(values.reshape(len(positions), *dense_shape)),
+                                  t.shape, device=t.device)
+    return out.coalesce()

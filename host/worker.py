@@ -11,13 +11,12 @@ import numpy as np
 from . import protocol as P
 from .aggregator_machine import new_nonce
 from . import tensors
-from .blocks import BlockView, CollectedBlocks, find_nonzero_blocks
-from .errors import ZeroSumError, ZeroSumTimeout
+from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
+from .errors import ZeroSumError
 from .layout import Layout
 from .udp import LossHook, open_socket, parse_address
-from .worker_machine import AllreduceMachine, WorkerConfig
+from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
 
-JOIN_INTERVAL = 0.05
 FLUSH_EVERY = 16   # datagrams processed before sending what is ready, even if more are queued
 
 
@@ -65,7 +64,7 @@ class Worker:
         if not 1 <= max_entries <= 0xFFFF:
             raise ValueError(f"max_entries must be 1..65535, got {max_entries}")
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
-                                   max_entries=max_entries,
+                                   max_entries=max_entries, block_size=block_size,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names)
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
@@ -93,7 +92,8 @@ class Worker:
         self.sock, _ = open_socket(self.bind, rcvbuf=16 << 20)
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
         # One buffer per datagram of a batch: a batch's datagrams are parsed in place, then merged.
-        self._bufs = [bytearray(P.MAX_DATAGRAM + 1) for _ in range(FLUSH_EVERY)]
+        self._buf = bytearray(P.MAX_DATAGRAM + 1)
+        self._view = memoryview(self._buf)
         try:
             self._join()
         except BaseException:
@@ -106,6 +106,10 @@ class Worker:
             self.sock = None
 
     # -- I/O helpers --------------------------------------------------------------------------------
+    def _send_all(self, datagrams) -> None:
+        for a, data in datagrams:
+            self._send(a, data)
+
     def _send(self, aggregator: int, data: bytes) -> None:
         self.stats.bytes_sent += len(data)
         self.stats.datagrams_sent += 1
@@ -116,10 +120,11 @@ class Worker:
         except OSError:
             pass    # e.g. ECONNREFUSED from an earlier ICMP error, or a full buffer: it is a loss
 
-    def _recv(self, wait: float, slot: int = 0):
-        """One datagram as (aggregator index, memoryview into buffer `slot`), or None after `wait` s."""
+    def _recv(self, wait: float):
+        """One datagram as (aggregator index, memoryview into the receive buffer, valid until the next
+        call), or None after `wait` s."""
         self.sock.settimeout(max(wait, 0.0))   # 0: non-blocking
-        buf = self._bufs[slot]
+        buf = self._buf
         try:
             n, addr = self.sock.recvfrom_into(buf)
         except (socket.timeout, BlockingIOError):
@@ -134,74 +139,50 @@ class Worker:
         if idx is None:
             self.stats.drops["unknown_source"] = self.stats.drops.get("unknown_source", 0) + 1
             return None
-        return idx, memoryview(buf)[:n]
+        return idx, self._view[:n]
 
     # -- join ---------------------------------------------------------------------------------------
     def _join(self) -> None:
-        nonce = new_nonce()
-        join = P.encode(P.Header(P.JOIN, self.job, self.rank, self.world_size, nonce, 0, self.block_size))
-        full = (1 << self.world_size) - 1
-        joined = [0] * len(self.aggregators)
-        heard = [False] * len(self.aggregators)
-        slots = [0] * len(self.aggregators)
-        start = time.monotonic()
-        next_send = start
-        while not all(j == full for j in joined):
-            now = time.monotonic()
-            if now - start > self.timeout:
-                raise ZeroSumTimeout(self._join_failure(joined, heard))
-            if now >= next_send:
-                for a in range(len(self.aggregators)):
-                    if joined[a] != full:
-                        self._send(a, join)
-                next_send = now + JOIN_INTERVAL
-            got = self._recv(next_send - now)
-            if got is None:
-                continue
-            a, data = got
-            try:
-                d = P.decode(data)
-            except P.ProtocolError:
-                continue
-            if d.header.type == P.JOIN_ACK and d.header.job == self.job and d.header.epoch == nonce:
-                slots[a], bitmap = P.JOIN_ACK_BODY.unpack(d.body)
-                joined[a] |= bitmap
-                heard[a] = True
-        self.slots = min(slots)
+        """Register with every aggregator; return once every rank has joined (a barrier)."""
+        m = JoinMachine(self.config, len(self.aggregators), new_nonce(), time.monotonic())
+        try:
+            while not m.done:
+                now = time.monotonic()
+                self._send_all(m.datagrams_to_send(now))
+                got = self._recv(m.timer() - now)
+                if got is not None:
+                    m.receive(got[0], got[1], time.monotonic())
+        except ZeroSumError as e:
+            address = "%s:%d" % self.sock.getsockname()
+            raise type(e)(f"{e} (a switch also needs its block size, 64, and this worker's address "
+                          f"{address} in its membership table)" if "no answer" in str(e) else str(e)) from None
+        self.slots = m.slots
         # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
-
-    def _join_failure(self, joined, heard) -> str:
-        silent = [n for n, h in zip(self.aggregator_names, heard) if not h]
-        if silent:
-            return (f"rank {self.rank}: no answer to JOIN from aggregator {', '.join(silent)} within "
-                    f"{self.timeout:.1f} s (is it running for job {self.job} with --workers "
-                    f"{self.world_size}? a switch also needs its block size, 64, and this worker's "
-                    f"address {self.sock.getsockname()[0]}:{self.sock.getsockname()[1]} in its membership table)")
-        full = (1 << self.world_size) - 1
-        missing = sorted({r for j in joined for r in range(self.world_size) if not (j | ~full) >> r & 1})
-        return (f"rank {self.rank}: ranks {', '.join(map(str, missing))} did not join job {self.job} "
-                f"within {self.timeout:.1f} s")
 
     # -- allreduce ----------------------------------------------------------------------------------
     def allreduce(self, x, out=None, *, average: bool = False):
         """Sum `x` over all ranks; returns an array of the same shape and dtype (float32 or int32).
 
-        x: a numpy array or a torch tensor (on any device; the result is on the same device).
+        x: a numpy array or a torch tensor (on any device; the result is on the same device). A torch
+        sparse COO tensor (e.g. the gradient of nn.Embedding(sparse=True)) is reduced from its non-zero
+        values alone and the sum is returned as a coalesced sparse tensor of the same layout.
         out: where to write the sum (same shape and dtype); `out=x` reduces in place, which avoids
         allocating and zero-filling a result. By default a new array/tensor is returned.
         average: divide the sum by the number of ranks (float32 only), as each block arrives: the same
         values as dividing the result afterwards, without another pass over the whole tensor.
         """
-        if self.sock is None:
-            raise ZeroSumError("worker is not open: use `with zerosum.Worker(...) as w:` or call open()")
+        self._check_open()
         if tensors.is_tensor(x):
+            if x.layout != sys.modules["torch"].strided:
+                if out is not None:
+                    raise ValueError("out is not supported for sparse tensors")
+                return self._allreduce_sparse_tensor(x, average)
             return self._allreduce_tensor(x, out, average)
         arr = np.asarray(x)
         if average and arr.dtype != np.float32:
             raise ValueError(f"average=True needs float32 data, not {arr.dtype}")
         flat = np.ascontiguousarray(arr).reshape(-1)
-        view = BlockView(flat, self.block_size)
-        sparse = find_nonzero_blocks(view)
+        source = BlockSource.dense(flat, self.block_size)
         if out is None:
             result = np.zeros(arr.shape, flat.dtype)
         else:
@@ -215,8 +196,31 @@ class Worker:
                     raise ValueError("out overlaps x without being x: pass out=x to reduce in place")
             else:
                 result[...] = 0
-        self._reduce(view, sparse, BlockView(result.reshape(-1), self.block_size), average)
+        self._reduce(source, DenseResult(result.reshape(-1)), average)
         return result
+
+    def allreduce_blocks(self, blocks, rows, num_blocks: int, *, average: bool = False):
+        """Sum block-sparse input over all ranks: `blocks` (sorted, unique block indices below
+        `num_blocks`, the same on every rank) with their values `rows` (len(blocks) x block_size,
+        float32 or int32). Returns (block indices, rows) of the sum, sorted: every block some rank
+        sent. The cost follows the blocks given, not num_blocks: no dense buffer is scanned or written.
+        """
+        self._check_open()
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[1] != self.block_size:
+            raise ValueError(f"rows must be a (len(blocks), {self.block_size}) array, got shape {rows.shape}")
+        if average and rows.dtype != np.float32:
+            raise ValueError(f"average=True needs float32 data, not {rows.dtype}")
+        if rows.dtype not in (np.float32, np.int32):
+            raise TypeError(f"allreduce supports float32 and int32 arrays, not {rows.dtype}")
+        source = BlockSource.compact(np.asarray(blocks, np.int64), rows, int(num_blocks))
+        sink = CollectedBlocks(rows.dtype, self.block_size, capacity=max(64, 2 * len(source.blocks)))
+        self._reduce(source, sink, average)
+        return sink.collected()
+
+    def _check_open(self) -> None:
+        if self.sock is None:
+            raise ZeroSumError("worker is not open: use `with zerosum.Worker(...) as w:` or call open()")
 
     def _allreduce_tensor(self, t, out, average):
         tensors.check_dtype(t)
@@ -233,48 +237,47 @@ class Worker:
             res = self.allreduce(src.numpy(), out=None if out is None else out.detach().numpy(),
                                  average=average)
             return out if out is not None else sys.modules["torch"].from_numpy(res)
-        view, sparse = tensors.gather_nonzero(t, self.block_size)
-        if average and view.is_int:
+        if average and not t.is_floating_point():
             raise ValueError(f"average=True needs float32 data, not {t.dtype}")
-        sink = CollectedBlocks(np.int32 if view.is_int else np.float32)
-        self._reduce(view, sparse, sink, average)
-        return tensors.scatter_result(t, sink, self.block_size, out)
+        blocks, rows = tensors.gather_nonzero(t, self.block_size)
+        nblocks = block_count(t.numel(), self.block_size)
+        summed = self.allreduce_blocks(blocks, rows, nblocks, average=average) if nblocks else \
+            (np.zeros(0, np.int64), rows)
+        return tensors.scatter_result(t, *summed, self.block_size, out)
 
-    def _reduce(self, view, sparse, sink, average: bool = False) -> None:
+    def _allreduce_sparse_tensor(self, t, average):
+        blocks, rows, nblocks = tensors.sparse_to_blocks(t, self.block_size)
+        summed = self.allreduce_blocks(blocks, rows, nblocks, average=average)
+        return tensors.blocks_to_sparse(t, *summed, self.block_size)
+
+    def _reduce(self, source: BlockSource, sink, average: bool = False) -> None:
         """One allreduce: a new epoch, then the state machine until every column is done."""
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
-        if view.nblocks:
-            layout = Layout(len(self.aggregators), self.slots, view.nblocks)
-            self._run(AllreduceMachine(self.config, self.epoch, view, sparse, layout, sink, average=average))
+        if source.nblocks:
+            layout = Layout(len(self.aggregators), self.slots, source.nblocks)
+            self._run(AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average))
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:
+        """Drive the machine: read everything queued (up to FLUSH_EVERY datagrams), then send what
+        became ready in one go (fewer, fuller datagrams when behind), then wait for the next datagram
+        or the machine's timer. Under CPU contention a result may sit in the buffer while its timer
+        expires: the queue is read before timers are judged."""
         try:
-            for a, data in m.start(time.monotonic()):
-                self._send(a, data)
-            batch = []
+            self._send_all(m.start(time.monotonic()))
             while not m.done:
-                # Read everything that is queued (up to FLUSH_EVERY datagrams) and apply it in one
-                # pass before sending or judging timers: results only mark columns ready, and one flush
-                # sends them all (fewer, fuller datagrams when behind); under CPU contention a result
-                # may sit in the buffer while its timer expires.
-                while len(batch) < FLUSH_EVERY and (got := self._recv(0.0, len(batch))) is not None:
-                    batch.append(got)
-                if batch:
-                    m.receive_many(batch, time.monotonic())
-                    batch = []
-                for a, data in m.flush(time.monotonic()):
-                    self._send(a, data)
+                for _ in range(FLUSH_EVERY):
+                    got = self._recv(0.0)
+                    if got is None:
+                        break
+                    m.receive(got[0], got[1], time.monotonic())
+                now = time.monotonic()
+                self._send_all(m.datagrams_to_send(now))
                 if m.done:
                     break
-                now = time.monotonic()
-                if now >= m.deadline_at:
-                    for a, data in m.poll(now):
-                        self._send(a, data)
-                    continue
-                got = self._recv(m.deadline_at - now)
+                got = self._recv(m.timer() - time.monotonic())
                 if got is not None:
-                    batch.append(got)
+                    m.receive(got[0], got[1], time.monotonic())
         finally:
             self.stats.retransmitted_entries += m.retransmitted
             for k, v in m.drops.items():

@@ -1,29 +1,37 @@
-"""The worker's side of one allreduce, as a pure state machine (no sockets, no clocks).
+"""The worker's side of the protocol, as pure state machines (no sockets, no clocks).
 
-Drive it with `start(now)`, then `receive(aggregator, datagram, now)` for every datagram from an
-aggregator (or `receive_many` for several queued ones at once), `flush(now)` when there is nothing
-more to read, and `poll(now)` when `deadline_at` has passed; start, flush and poll return the
-datagrams to send as (aggregator index, bytes). Results only mark their columns ready; flush sends all
-ready columns together, so a worker that has fallen behind catches up with fewer, fuller datagrams.
-`done` turns true when every column has reached END; `output` then holds the sum. The caller supplies
-`now` (seconds, monotonic), so tests can drive time.
+JoinMachine registers a rank with every aggregator (docs/protocol.md, "Joining"); AllreduceMachine runs
+one allreduce. Both have one driver interface, in the style of sans-IO protocol libraries:
+`receive(aggregator, datagram, now)` for every datagram from an aggregator, `datagrams_to_send(now)`
+for what to send (call it when nothing more is queued on the socket: results only mark their columns
+ready, so a worker that has fallen behind catches up with fewer, fuller datagrams), and `timer()`, the
+time at which `datagrams_to_send` has retransmissions (or raises ZeroSumTimeout). Datagrams to send are
+(aggregator index, memoryview); the views point into the machine's own buffer and are valid until the
+next call into the machine, so a driver sends them at once (or copies them). The caller supplies `now`
+(seconds, monotonic), so tests drive time.
 
 Per column the worker keeps the block of the current round and its agreed exponent, and a pointer to
 its own next non-zero block in the column. In each round it sends one entry per column: the data of the
 round's block if it is its own next non-zero block, otherwise a header-only entry; either way carrying
-its next non-zero block index after the round's block (docs/protocol.md, "A round").
+its next non-zero block index after the round's block (docs/protocol.md, "A round"). The per-entry work
+(quantise and encode, decode and dequantise into the output) is in zerosum.kernels.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import kernels as K
 from . import protocol as P
-from .blocks import BlockView, SparseBlocks
+from .blocks import BlockSource, CollectedBlocks, DenseResult
 from .errors import ProtocolViolation, ZeroSumTimeout
-from .fixedpoint import dequantize, quantize
+from .fixedpoint import precision_bits
 from .layout import Layout
+
+_HEADER = struct.Struct(">BBHHHIIHH")
+JOIN_INTERVAL = 0.05   # docs/protocol.md, "Joining": JOIN is repeated every 50 ms until all ranks joined
 
 
 @dataclass
@@ -37,37 +45,107 @@ class WorkerConfig:
     min_rto: float = 0.05    # the adaptive timeout (TCP's srtt + 4 rttvar) stays within these
     max_rto: float = 1.0
     timeout: float = 30.0    # no progress for this long: give up with an error naming who is missing
+    block_size: int = 256
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
 
 
+def parse_header(datagram) -> tuple | None:
+    """(type, job, rank, world, epoch, tensor_blocks, block_size, entries) of a datagram of this
+    protocol version, or None for one too short or of another version."""
+    if len(datagram) < P.PACKET_HEADER_SIZE:
+        return None
+    version, *fields = _HEADER.unpack_from(datagram)
+    return tuple(fields) if version == P.VERSION else None
+
+
+class JoinMachine:
+    """Joining as a barrier: JOIN to every aggregator every JOIN_INTERVAL until each one's JOIN_ACK
+    bitmap has all `world` ranks; then `slots` is the number of slots every aggregator grants."""
+
+    def __init__(self, config: WorkerConfig, aggregators: int, nonce: int, now: float):
+        self.cfg, self.nonce = config, nonce
+        self.full = (1 << config.world) - 1
+        self.joined = [0] * aggregators
+        self.heard = [False] * aggregators
+        self.granted = [0] * aggregators
+        self.started = now
+        self.next_send = now
+        self.join = P.encode(P.Header(P.JOIN, config.job, config.rank, config.world, nonce, 0,
+                                      config.block_size))
+
+    @property
+    def done(self) -> bool:
+        return all(j == self.full for j in self.joined)
+
+    @property
+    def slots(self) -> int:
+        return min(self.granted)
+
+    def timer(self) -> float:
+        return min(self.next_send, self.started + self.cfg.timeout)
+
+    def receive(self, aggregator: int, datagram, now: float) -> None:
+        h = parse_header(datagram)
+        if h is None or h[0] != P.JOIN_ACK or h[1] != self.cfg.job or h[4] != self.nonce:
+            return
+        if len(datagram) != P.PACKET_HEADER_SIZE + P.JOIN_ACK_BODY.size or h[7]:
+            return
+        slots, bitmap = P.JOIN_ACK_BODY.unpack_from(datagram, P.PACKET_HEADER_SIZE)
+        self.granted[aggregator] = slots
+        self.joined[aggregator] |= bitmap
+        self.heard[aggregator] = True
+
+    def datagrams_to_send(self, now: float) -> list[tuple[int, bytes]]:
+        if self.done:
+            return []
+        if now - self.started > self.cfg.timeout:
+            raise ZeroSumTimeout(self._failure())
+        if now < self.next_send:
+            return []
+        self.next_send = now + JOIN_INTERVAL
+        return [(a, self.join) for a, j in enumerate(self.joined) if j != self.full]
+
+    def _failure(self) -> str:
+        names = self.cfg.aggregator_names or [f"#{a}" for a in range(len(self.joined))]
+        silent = [n for n, h in zip(names, self.heard) if not h]
+        if silent:
+            return (f"rank {self.cfg.rank}: no answer to JOIN from aggregator {', '.join(silent)} within "
+                    f"{self.cfg.timeout:.1f} s (is it running for job {self.cfg.job} with --workers "
+                    f"{self.cfg.world}?")
+        missing = sorted({r for j in self.joined for r in range(self.cfg.world) if not (j >> r) & 1})
+        return (f"rank {self.cfg.rank}: ranks {', '.join(map(str, missing))} did not join job "
+                f"{self.cfg.job} within {self.cfg.timeout:.1f} s")
+
+
 class AllreduceMachine:
-    def __init__(self, config: WorkerConfig, epoch: int, view: BlockView, sparse: SparseBlocks,
-                 layout: Layout, output: BlockView, average: bool = False):
+    def __init__(self, config: WorkerConfig, epoch: int, source: BlockSource, layout: Layout,
+                 output: DenseResult | CollectedBlocks, average: bool = False):
         self.cfg = config
-        # Divide float sums by the world size as they are stored (DDP's averaging without a full pass).
-        self.divisor = np.float32(config.world) if average else None
         self.epoch = epoch
-        self.view = view
+        self.source = source
         self.layout = layout
-        self.B = view.block_size
-        self.is_int = view.is_int
+        self.B = source.block_size
+        self.is_int = source.is_int
+        # Float sums are divided by the world size as they are stored (DDP's averaging, no extra pass).
+        self.divisor = np.float32(config.world if average else 1)
+        self.precision = precision_bits(config.world)
         # Where sums are stored. Blocks that no worker sends are not written: the caller provides
         # zeros there (a zero-filled array, or the input itself, which is zero where nobody sends).
         self.output = output
-        self.exp_of = np.append(sparse.exponents, P.NO_EXP)   # the last entry stands for END
-        self.header = P.Header(P.DATA, config.job, config.rank, config.world, epoch,
-                               layout.nblocks, self.B, 0)
+        self.hdr = np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64)
 
         S = layout.columns
         # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of seq.
-        nz = np.flatnonzero(sparse.nonzero)
-        cols = layout.column_of_block(nz)
+        cols = layout.column_of_block(source.blocks)
         order = np.argsort(cols, kind="stable")
-        self.seq = np.append(nz[order], P.END).astype(np.int64)
+        self.seq = np.append(source.blocks[order], P.END).astype(np.int64)
+        self.seq_exp = source.exps[order].astype(np.int64)
+        self.seq_row = source.rows[order]
         starts = np.searchsorted(cols[order], np.arange(S + 1))
         self.mine_pos = starts[:-1].astype(np.int64)
         self.col_stop = starts[1:].astype(np.int64)
 
+        A = layout.aggregators
         self.round_block = np.full(S, P.BOOT, np.int64)
         self.round_exp = np.full(S, P.NO_EXP, np.int64)
         self.deadline = np.full(S, np.inf)
@@ -78,191 +156,163 @@ class AllreduceMachine:
         self.base_rto = config.rto
         self.waiting_for = np.zeros(S, np.int64)   # bitmap from the last STATUS per column (ranks heard)
         self.status_seen = np.zeros(S, bool)
-        self._scratch = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
-        self.last_progress = None
         self.ready = np.zeros(S, bool)             # columns whose next round's entry is still to send
-        self.columns_of = [np.arange(a, S, layout.aggregators) for a in range(layout.aggregators)]
-        self.aggregator_of_column = layout.aggregator_of(np.arange(S))
-        self.last_heard = np.zeros(layout.aggregators)
+        self.slots_used = [layout.slots_used(a) for a in range(A)]
+        self._seen = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
+        self._stamp = 0
+        self._cols = np.zeros(S, np.int64)
+        self._first = np.zeros(A)
+        self._quiet = np.zeros(A, bool)
+        self.last_heard = np.zeros(A)
+        self.last_progress = None
+        self.remaining = S                         # columns not yet at END
+        # Datagrams are built here: at most one per column, each at most max_datagram bytes.
+        self._out = np.zeros(self._out_size(S), np.uint8)
+        self._cuts = np.zeros((S + A, 3), np.int64)
+        self._counts = output.count if output.collect else np.zeros(3, np.int64)
+        self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
         self.bytes_sent = 0
         self.retransmitted = 0
         self.drops: dict[str, int] = {}
 
+    def _out_size(self, S: int) -> int:
+        per_data = 4 * self.B
+        return S * (P.ENTRY_SIZE + per_data) + (S + self.layout.aggregators) * P.PACKET_HEADER_SIZE
+
     # -- queries ------------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return bool(np.all(self.round_block == P.END))
+        return self.remaining == 0
 
-    @property
-    def deadline_at(self) -> float:
-        """When `poll` has work: a column's timer expired *and* its aggregator has been quiet.
+    def timer(self) -> float:
+        """When `datagrams_to_send` has retransmissions: a column's timer expired *and* its aggregator
+        has been quiet (docs/protocol.md, "Loss recovery"), or when the allreduce times out.
 
         Retransmitting while results still stream in would only add load to a busy aggregator: a lost
         datagram's columns are retried once the aggregator falls silent.
         """
-        d = np.inf
-        for a, cols in enumerate(self.columns_of):
-            if len(cols):
-                d = min(d, max(float(self.deadline[cols].min()), self.last_heard[a] + self.base_rto))
-        if self.last_progress is not None and not self.done:
-            d = min(d, self.last_progress + self.cfg.timeout)
-        return d
+        if self.done or self.last_progress is None:
+            return np.inf
+        K.earliest_deadlines(self.round_block, self.deadline, self.layout.aggregators, self._first)
+        d = float(np.maximum(self._first, self.last_heard + self.base_rto).min())
+        return min(d, self.last_progress + self.cfg.timeout)
 
-    def _mine(self, cols: np.ndarray, ahead: int = 0) -> np.ndarray:
-        pos = self.mine_pos[cols] + ahead
-        return self.seq[np.where(pos < self.col_stop[cols], pos, len(self.seq) - 1)]
-
-    def _exp(self, blocks: np.ndarray) -> np.ndarray:
-        return self.exp_of[np.where(blocks != P.END, blocks, len(self.exp_of) - 1)]
+    deadline_at = property(timer)
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
     # -- events -------------------------------------------------------------------------------------
-    def start(self, now: float) -> list[tuple[int, bytes]]:
+    def start(self, now: float) -> list[tuple[int, memoryview]]:
+        """Begin the allreduce: the bootstrap round of every column."""
         self.last_progress = now
         self.last_heard[:] = now
         self.ready[:] = True
-        return self.flush(now)
+        self.remaining = self.layout.columns
+        return self.datagrams_to_send(now)
 
-    def flush(self, now: float) -> list[tuple[int, bytes]]:
+    def datagrams_to_send(self, now: float) -> list[tuple[int, memoryview]]:
+        """The next round of every column that got its result since the last call, then any
+        retransmissions that are due. Raises ZeroSumTimeout when progress stopped."""
+        out = self.flush(now)
+        if not out and not self.done and now >= self.timer():
+            out = self.poll(now)
+        return out
+
+    def flush(self, now: float) -> list[tuple[int, memoryview]]:
         """Send the next round's entries of every column that got its result since the last flush."""
-        cols = np.flatnonzero(self.ready)
-        if len(cols) == 0:
-            return []
-        self.ready[cols] = False
-        return self._send(cols, now)
+        n = K.take_ready(self.ready, self._cols, self.layout.aggregators, self.deadline, self.sent_at,
+                         self.rto, now)
+        return self._send(n) if n else []
 
-    def poll(self, now: float) -> list[tuple[int, bytes]]:
+    def poll(self, now: float) -> list[tuple[int, memoryview]]:
         """Retransmit the columns whose timer expired; raise ZeroSumTimeout when progress stopped."""
         if self.done:
             return []
-        if self.last_progress + self.cfg.timeout <= now:   # the same expression as deadline_at
+        if self.last_progress + self.cfg.timeout <= now:   # the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
-        quiet = self.last_heard + self.base_rto <= now   # the same expression as deadline_at
-        due = np.flatnonzero((self.deadline <= now) & quiet[self.aggregator_of_column])
-        if len(due) == 0:
+        np.less_equal(self.last_heard + self.base_rto, now, out=self._quiet)
+        n = K.take_expired(self.round_block, self._cols, self.layout.aggregators, self.deadline,
+                           self.sent_at, self.rto, self._quiet, self.cfg.max_rto, now)
+        if n == 0:
             return []
-        self.rto[due] = np.minimum(self.rto[due] * 2, self.cfg.max_rto)
-        self.retransmitted += len(due)
-        out = self._send(due, now)
-        self.sent_at[due] = np.nan    # Karn's rule: no round-trip samples from retransmitted rounds
-        return out
+        self.retransmitted += n
+        return self._send(n)
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
-        self.receive_many([(aggregator, datagram)], now)
+        h = parse_header(datagram)
+        if h is None:
+            self._drop("short" if len(datagram) < P.PACKET_HEADER_SIZE else "version")
+            return
+        ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = h
+        if ptype not in P.TYPE_NAMES:
+            self._drop("type")
+            return
+        if job != self.cfg.job or rank != P.AGGREGATOR_RANK:
+            self._drop("foreign")
+            return
+        if ptype == P.JOIN_ACK:
+            return     # a late answer to a join: harmless
+        if ptype not in (P.RESULT, P.STATUS):
+            self._drop("type")
+            return
+        if epoch != self.epoch:
+            self._drop("stale_epoch")
+            return
+        if tensor_blocks != self.layout.nblocks or block_size != self.B:
+            self._drop("geometry")
+            return
+        if nent == 0:
+            return
+        if self.output.collect:
+            self.output.reserve(self._max_rows)
+        values = self.output.flat
+        self._stamp += 1
+        code, rtt, block = K.apply_datagram(
+            np.frombuffer(datagram, np.uint8), len(datagram), ptype, nent, aggregator,
+            self.layout.aggregators, self.slots_used[aggregator], self.hdr, self.is_int, self.precision,
+            self.divisor, self.round_block, self.round_exp, self.mine_pos, self.col_stop, self.seq,
+            self.ready, self.deadline, self.rto, self.sent_at, self.waiting_for, self.status_seen,
+            self.base_rto, self.cfg.max_rto, now, values, values.size, self.output.collect, self._blocks_out(), self._counts, self._seen, self._stamp)
+        if code < 0:
+            self._drop(K.DROP_REASONS[-code].removeprefix("drop_"))
+            return
+        if code > 0:
+            raise ProtocolViolation(self._violation(code, aggregator, block))
+        self.last_heard[aggregator] = now
+        if ptype == P.RESULT:
+            self.last_progress = now
+            self.remaining = self.layout.columns - int(self._counts[2])
+            if rtt >= 0:
+                self._measure(rtt)
+        if self._counts[0]:
+            self._drop("duplicate_result", int(self._counts[0]))
+            self._counts[0] = 0
 
     def receive_many(self, datagrams, now: float) -> None:
-        """Take several datagrams, as (aggregator index, bytes), in arrival order: the same outcome as
-        receiving them one by one, but their results are applied in one vectorised pass (a worker that
-        drains a queue of results pays the per-datagram numpy overhead once)."""
-        results = [got for a, datagram in datagrams if (got := self._accept(a, datagram, now)) is not None]
-        if len(results) == 1:
-            d, cols = results[0]
-            self._on_result(cols, d.block, d.row, d.exp, d.next, d.next_exp, d.data, now)
-        elif results:
-            self._on_result(*_merge(results), now, may_repeat=True)
+        """Take several datagrams, as (aggregator index, bytes), in arrival order."""
+        for a, datagram in datagrams:
+            self.receive(a, datagram, now)
 
-    def _accept(self, aggregator: int, datagram, now: float):
-        """Validate one datagram; apply a STATUS; return a RESULT's (datagram, columns), else None."""
-        try:
-            d = P.decode(datagram)
-        except P.ProtocolError as e:
-            self._drop(e.reason)
-            return None
-        h = d.header
-        if h.job != self.cfg.job or h.rank != P.AGGREGATOR_RANK:
-            self._drop("foreign")
-            return None
-        if h.type == P.JOIN_ACK:
-            return None     # a late answer to a join: harmless
-        if h.epoch != self.epoch:
-            self._drop("stale_epoch")
-            return None
-        if h.tensor_blocks != self.layout.nblocks or h.block_size != self.B:
-            self._drop("geometry")
-            return None
-        slots = d.slot
-        if len(slots) == 0:
-            return None
-        if slots.max() >= self.layout.slots_used(aggregator) or P.repeats_a_slot(slots, self._scratch):
-            self._drop("range")
-            return None
-        cols = self.layout.column_of(aggregator, slots)
-        self.last_heard[aggregator] = now
-        if h.type == P.STATUS:
-            current = d.block == self.round_block[cols]
-            waiting = cols[current]
-            self.waiting_for[waiting] = d.next[current]
-            self.status_seen[waiting] = True
-            # The aggregator holds our contribution and waits for others: no need to resend soon.
-            self.rto[waiting] = np.minimum(self.rto[waiting] * 2, self.cfg.max_rto)
-            self.deadline[waiting] = np.maximum(self.deadline[waiting], now + self.rto[waiting])
-            return None
-        if h.type != P.RESULT:
-            self._drop("type")
-            return None
-        return d, cols
+    def _blocks_out(self):
+        return self.output.blocks if self.output.collect else self._no_blocks
 
-    def _on_result(self, cols, block, rows, exp, nxt, next_exp, data, now: float, may_repeat=False) -> None:
-        """Results for `cols`: store the sums, advance the columns. With may_repeat (several datagrams
-        merged), a column may appear twice; only its first result for the current round counts, as
-        one by one the second would find the round moved on."""
-        fresh = block == self.round_block[cols]
-        if may_repeat:
-            fresh_at = np.flatnonzero(fresh)
-            _, first = np.unique(cols[fresh_at], return_index=True)
-            if len(first) < len(fresh_at):
-                fresh[fresh_at] = False
-                fresh[fresh_at[first]] = True
-        if not fresh.all():
-            self._drop("duplicate_result", int(np.count_nonzero(~fresh)))
-            if not fresh.any():
-                return
-            cols, block, rows = cols[fresh], block[fresh], rows[fresh]
-            exp, nxt, next_exp = exp[fresh], nxt[fresh], next_exp[fresh]
-        has = rows >= 0
-        mine = self._mine(cols)
-        sent_data = mine == block
-        # One combined test on the fast path; which rule was broken is worked out only when one was.
-        exp_bad = has & (exp != self.round_exp[cols])
-        dtype_bad = (nxt != P.END) & ((next_exp == P.INT_EXP) != self.is_int)
-        if (sent_data & ~has | exp_bad | dtype_bad).any():
-            if (sent_data & ~has).any():
-                raise ProtocolViolation(f"aggregator {self._agg_name(cols[0])} returned no data for a block "
-                                        f"this worker contributed (block {int(block[sent_data & ~has][0])})")
-            if exp_bad.any():
-                raise ProtocolViolation("result exponent differs from the agreed exponent of its block")
-            raise ProtocolViolation("workers disagree on the dtype of this allreduce "
-                                    "(float32 and int32 contributions to the same blocks)")
-        if has.any():
-            sums = data[rows[has]]
-            if self.is_int:
-                self.output.store(block[has], sums)
-            else:
-                values = dequantize(sums, exp[has], self.cfg.world)
-                if self.divisor is not None:
-                    values /= self.divisor
-                self.output.store(block[has], values)
-        self.mine_pos[cols[sent_data]] += 1
-        if (nxt > self._mine(cols)).any():
-            raise ProtocolViolation("aggregator skipped a block this worker still has to send")
-        self.round_block[cols] = nxt
-        self.round_exp[cols] = next_exp
-        self._measure(now - self.sent_at[cols])
-        self.rto[cols] = self.base_rto
-        self.status_seen[cols] = False
-        self.last_progress = now
-        self.deadline[cols] = np.inf
-        self.ready[cols[nxt != P.END]] = True
+    _no_blocks = np.zeros(0, np.int64)
 
-    def _measure(self, samples: np.ndarray) -> None:
-        """Adapt the retransmission timeout to the round-trip times seen (RFC 6298)."""
-        samples = samples[~np.isnan(samples)]
-        if len(samples) == 0:
-            return
-        r = float(samples.max())
+    def _violation(self, code: int, aggregator: int, block: int) -> str:
+        if code == K.VIOLATION_NO_DATA:
+            return (f"aggregator {self._agg_name_of(aggregator)} returned no data for a block this worker "
+                    f"contributed (block {block})")
+        if code == K.VIOLATION_EXPONENT:
+            return "result exponent differs from the agreed exponent of its block"
+        if code == K.VIOLATION_DTYPE:
+            return ("workers disagree on the dtype of this allreduce "
+                    "(float32 and int32 contributions to the same blocks)")
+        return "aggregator skipped a block this worker still has to send"
+
+    def _measure(self, r: float) -> None:
+        """Adapt the retransmission timeout to the round-trip times seen (RFC 6298, section 2)."""
         if self.srtt is None:
             self.srtt, self.rttvar = r, r / 2
         else:
@@ -271,55 +321,25 @@ class AllreduceMachine:
         self.base_rto = min(max(self.srtt + 4 * self.rttvar, self.cfg.min_rto), self.cfg.max_rto)
 
     # -- building datagrams -------------------------------------------------------------------------
-    def _send(self, cols: np.ndarray, now: float) -> list[tuple[int, bytes]]:
-        """Build this round's entries for `cols`, fused into datagrams per aggregator."""
-        self.deadline[cols] = now + self.rto[cols]
-        self.sent_at[cols] = now
-        agg = self.layout.aggregator_of(cols)
-        order = np.lexsort((cols, agg))
-        cols, agg = cols[order], agg[order]
-        block = self.round_block[cols]
-        mine = self._mine(cols)
-        has = mine == block
-        nxt = np.where(has, self._mine(cols, ahead=1), mine)
-        ent = P.entries_array(len(cols))
-        ent["slot"] = self.layout.slot_of(cols)
-        ent["flags"] = np.where(has, P.HAS_DATA, 0)
-        ent["block"] = block
-        ent["next"] = nxt
-        ent["exp"] = self.round_exp[cols]
-        ent["next_exp"] = self._exp(nxt)
-        out = []
-        bounds = [0, *(np.flatnonzero(np.diff(agg)) + 1).tolist(), len(cols)]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            cuts = P.split_points(has[lo:hi], self.B, self.cfg.max_datagram, self.cfg.max_entries)
-            for s, t in zip(cuts[:-1], cuts[1:]):
-                s, t = s + lo, t + lo
-                out.append((int(agg[s]), self._encode(ent[s:t], block[s:t][has[s:t]])))
-        return out
-
-    def _encode(self, ent: np.ndarray, data_blocks: np.ndarray) -> bytes:
-        buf = bytearray(P.datagram_size(len(ent), len(data_blocks), self.B))
-        n = P.encode_into(buf, self.header, ent)
-        if len(data_blocks):
-            wire = np.frombuffer(buf, P.WIRE_VALUE, offset=n).reshape(len(data_blocks), self.B)
-            if self.is_int:
-                wire[...] = self.view.rows(data_blocks)
-            else:
-                exps = ent["exp"][ent["flags"] != 0]
-                on_device = getattr(self.view, "quantized", None)   # torch tensors: quantise there
-                if on_device is not None:
-                    wire[...] = on_device(data_blocks, exps, self.cfg.world)
-                else:
-                    quantize(self.view.rows(data_blocks), exps, self.cfg.world, out=wire, overwrite=True)
-        self.bytes_sent += len(buf)
-        return bytes(buf)
+    def _send(self, ncols: int) -> list[tuple[int, memoryview]]:
+        """Build this round's entries for the first `ncols` of self._cols, fused into datagrams."""
+        src = self.source
+        nd = K.encode_data(self._out, self._cuts, self._cols, ncols, self.layout.aggregators, self.hdr,
+                           self.round_block, self.round_exp, self.mine_pos, self.col_stop, self.seq,
+                           self.seq_exp, self.seq_row, src.values, src.n_values, self.is_int,
+                           self.precision, self.cfg.max_datagram, self.cfg.max_entries)
+        view = memoryview(self._out)
+        cuts = self._cuts[:nd].tolist()
+        self.bytes_sent += cuts[-1][2] if cuts else 0
+        return [(a, view[s:e]) for a, s, e in cuts]
 
     # -- errors -------------------------------------------------------------------------------------
-    def _agg_name(self, col) -> str:
-        a = int(self.layout.aggregator_of(np.int64(col)))
+    def _agg_name_of(self, a: int) -> str:
         names = self.cfg.aggregator_names
         return names[a] if a < len(names) else f"#{a}"
+
+    def _agg_name(self, col) -> str:
+        return self._agg_name_of(int(self.layout.aggregator_of(np.int64(col))))
 
     def _timeout_message(self, now: float) -> str:
         pending = np.flatnonzero(self.round_block != P.END)
@@ -340,16 +360,3 @@ class AllreduceMachine:
         names = sorted({self._agg_name(c) for c in pending[~heard]} or {self._agg_name(pending[0])})
         return (f"{head}: no answer from aggregator {', '.join(names)} "
                 f"(is it running, and started with --workers {self.cfg.world}?)")
-
-
-def _merge(results):
-    """Several RESULT datagrams as one set of entries, in arrival order (data rows renumbered)."""
-    def cat(field):
-        return np.concatenate([getattr(d, field) for d, _ in results])
-    rows, offset = [], 0
-    for d, _ in results:
-        rows.append(np.where(d.row >= 0, d.row + offset, -1))
-        offset += len(d.data)
-    data = np.concatenate([d.data for d, _ in results]) if offset else results[0][0].data
-    cols = np.concatenate([c for _, c in results])
-    return cols, cat("block"), np.concatenate(rows), cat("exp"), cat("next"), cat("next_exp"), data

@@ -6,24 +6,25 @@ import random
 import numpy as np
 
 from zerosum.aggregator_machine import AggregatorMachine, new_nonce
-from zerosum.blocks import BlockView, find_nonzero_blocks
+from zerosum.blocks import BlockSource, DenseResult
 from zerosum.layout import Layout
 from zerosum import protocol as P
-from zerosum.worker_machine import AllreduceMachine, WorkerConfig
+from zerosum.worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
 
 
 def join_all(aggs: list[AggregatorMachine], world: int, block_size: int) -> int:
-    """Register every rank with every aggregator; return the slots granted (the minimum)."""
-    granted = []
-    for a, agg in enumerate(aggs):
-        for r in range(world):
-            out = agg.receive(P.encode(P.Header(P.JOIN, agg.state.job, r, world, new_nonce(), 0, block_size)),
-                              ("w", r))
-            (dest, ack), = out
-            slots, bitmap = P.JOIN_ACK_BODY.unpack(P.decode(ack).body)
-        assert bitmap == (1 << world) - 1
-        granted.append(slots)
-    return min(granted)
+    """Register every rank with every aggregator through the workers' JoinMachines (each rank's JOIN
+    once, in rank order, then once more so that every rank sees the full bitmap); return the slots
+    granted (the minimum)."""
+    joins = [JoinMachine(WorkerConfig(rank=r, world=world, job=aggs[0].state.job, block_size=block_size),
+                         len(aggs), new_nonce(), 0.0) for r in range(world)]
+    for now in (0.0, 1.0):
+        for r, m in enumerate(joins):
+            for a, join in m.datagrams_to_send(now):
+                for dests, ack in aggs[a].receive(join, ("w", r)):
+                    m.receive(a, bytes(ack), now)
+    assert all(m.done for m in joins)
+    return joins[0].slots
 
 
 def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0, seed=0,
@@ -35,18 +36,19 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
     granted = join_all(aggs, world, block_size) if slots is None else slots
     machines = []
     for r, x in enumerate(arrays):
-        view = BlockView(np.ascontiguousarray(x).reshape(-1), block_size)
-        layout = Layout(len(aggs), granted, view.nblocks)
+        source = BlockSource.dense(np.ascontiguousarray(x).reshape(-1), block_size)
+        layout = Layout(len(aggs), granted, source.nblocks)
         cfg = WorkerConfig(rank=r, world=world, job=aggs[0].state.job, max_datagram=max_datagram,
-                           max_entries=max_entries, timeout=1e9)
-        out = BlockView(np.zeros(x.size, x.dtype), block_size)
-        machines.append(AllreduceMachine(cfg, epoch, view, find_nonzero_blocks(view), layout, out))
+                           max_entries=max_entries, timeout=1e9, block_size=block_size)
+        out = DenseResult(np.zeros(x.size, x.dtype))
+        machines.append(AllreduceMachine(cfg, epoch, source, layout, out))
     now = 0.0
     queue = []  # (destination kind, index, from, bytes)
 
     def post(kind, idx, src, data):
         if rng.random() < loss:
             return
+        data = bytes(data)    # the machines' datagrams are views into their buffers, valid until the next call
         queue.append((kind, idx, src, data))
         if rng.random() < dup:
             queue.append((kind, idx, src, data))

@@ -177,16 +177,16 @@ def test_join_rules():
 
 
 def test_worker_times_out_naming_the_missing_rank():
-    from zerosum.blocks import BlockView, find_nonzero_blocks
+    from zerosum.blocks import BlockSource, DenseResult
     from zerosum.errors import ZeroSumTimeout
     from zerosum.layout import Layout
     from zerosum.worker_machine import AllreduceMachine, WorkerConfig
     agg = AggregatorMachine(1, 3, slots=4)
     join_all([agg], 3, 4)
     x = np.ones(16, np.float32)
-    view = BlockView(x, 4)
-    m = AllreduceMachine(WorkerConfig(0, 3, 1, timeout=1.0), 1, view, find_nonzero_blocks(view),
-                         Layout(1, 4, view.nblocks), BlockView(np.zeros(16, np.float32), 4))
+    source = BlockSource.dense(x, 4)
+    m = AllreduceMachine(WorkerConfig(0, 3, 1, timeout=1.0, block_size=4), 1, source,
+                         Layout(1, 4, source.nblocks), DenseResult(np.zeros(16, np.float32)))
     for _, d in m.start(0.0):
         agg.receive(d, ("w", 0))
     # rank 1 contributes, rank 2 never does
@@ -195,7 +195,7 @@ def test_worker_times_out_naming_the_missing_rank():
     with pytest.raises(ZeroSumTimeout, match="waiting for ranks 1, 2"):
         while True:
             t = m.deadline_at
-            for _, d in m.poll(t) + m.flush(t):
+            for _, d in m.datagrams_to_send(t):
                 for dest, reply in agg.receive(d, ("w", 0)) + agg.flush():
-                    m.receive(0, reply, t)
+                    m.receive(0, bytes(reply), t)
     assert t >= 1.0
