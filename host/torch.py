@@ -35,13 +35,91 @@ __all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup", "wo
 # -- DDP communication hook ------------------------------------------------------------------------
 
 class HookState:
-    """The worker and the single background thread that runs its allreduces in bucket order."""
+    """What the ZeroSum DDP hook keeps between calls (returned by `register`).
 
-    def __init__(self, worker: Worker, compressor=None):
+    - ``worker``: the open zerosum.Worker that sums the buckets.
+    - ``compressor``: a zerosum.compression.Compressor, or None for the plain (averaged) sum.
+    - ``executor``: one background thread; it runs the allreduces in the order DDP launches the
+      buckets, the same on every rank, which is what ZeroSum's per-call epochs need.
+    - ``buckets``: how many buckets the hook was given so far.
+    - ``names``: {id(parameter): name} of the model's parameters, to name each bucket's contents.
+    - ``layouts``: {key: (numel, ...)} for every key whose compressor state is live; a key is the
+      tuple of the names of the parameters in a bucket, in the bucket's order (parameters without a
+      name in ``names`` stand as their id()), and the numels give each one's place in the bucket.
+    - ``owner``: {name: key}, the key whose state holds each parameter's part now.
+    - ``relayouts``: how many times a bucket came with a new grouping of parameters that had state
+      under other keys (DDP's rebuild after the first iteration, typically), so their state moved.
+
+    The compressor's state (error-feedback memory, DIANA shifts, DGC accumulators) is kept per key,
+    i.e. per set of parameters in bucket order, not per ``bucket.index()``: DDP rebuilds its buckets
+    after the first iteration (in the order the gradients became ready, with ``bucket_cap_mb``),
+    after which an index names other parameters, and state kept by index would be added to the
+    gradients of other parameters, or fail on a shape mismatch. The names are the same on every rank
+    and in every iteration. When a bucket's key is new, the state arrays of its parameters
+    (`Compressor.keyed_state`, element-wise) are cut out of their old keys' arrays and laid out in
+    the new bucket's order, so nothing the error feedback holds back is lost; old keys are dropped
+    once none of their parameters is left in them. State of a compressor whose `keyed_state` does not
+    list it stays under the old key, unused: with another grouping it starts afresh.
+    """
+
+    def __init__(self, worker: Worker, compressor=None, model=None):
         self.worker = worker
         self.compressor = compressor     # a zerosum.compression.Compressor, or None for the plain sum
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerosum-hook")
         self.buckets = 0
+        module = getattr(model, "module", model)     # a DDP model's names without the "module." prefix
+        self.names = {} if module is None else {id(p): name for name, p in module.named_parameters()}
+        self.layouts: dict = {}
+        self.owner: dict = {}
+        self.relayouts = 0
+
+    def key(self, bucket) -> tuple:
+        """The names of the bucket's parameters, in the order of its buffer."""
+        return tuple(self.names.get(id(p), id(p)) for p in bucket.parameters())
+
+    def adopt(self, key: tuple, sizes: tuple) -> None:
+        """Make the compressor's state for `key` (parameters of `sizes` elements, in this order)
+        hold what its parameters' state was under the keys they were in before."""
+        known = self.layouts.get(key)
+        if known is not None and known != sizes:
+            raise ValueError(f"the parameters {key} changed size ({known} -> {sizes} elements): "
+                             "their compressor state no longer fits them")
+        sources = {self.owner.get(name) for name in key}
+        if known is not None and sources == {key}:
+            return                                   # the usual case: the same bucket as before
+        self.layouts[key] = sizes
+        previous = {name: self.owner[name] for name in key if name in self.owner}
+        for name in key:
+            self.owner[name] = key
+        if not any(k != key for k in previous.values()):
+            return                                   # new parameters: no state to move
+        self.relayouts += 1
+        where = {}                                   # name -> (old key, offset there)
+        for old in set(previous.values()):
+            offsets = np.cumsum((0,) + self.layouts[old])
+            for i, name in enumerate(old):
+                if previous.get(name) == old:
+                    where[name] = (old, int(offsets[i]))
+        for d in (self.compressor.keyed_state() if self.compressor is not None else []):
+            if not any(old in d for old, _ in where.values()):
+                continue
+            parts = []
+            for name, n in zip(key, sizes):
+                old, start = where.get(name, (None, 0))
+                if old is not None and old in d:
+                    arr = np.asarray(d[old]).reshape(-1)
+                    if arr.size != sum(self.layouts[old]):
+                        raise ValueError(f"compressor state for {old} has {arr.size} elements, "
+                                         f"its parameters {sum(self.layouts[old])}")
+                    parts.append(arr[start:start + n])
+                else:
+                    parts.append(np.zeros(n, np.float32))
+            d[key] = np.concatenate(parts).astype(np.float32, copy=False)
+        for old in set(previous.values()) - {key}:
+            if not any(self.owner.get(name) == old for name in old):
+                del self.layouts[old]
+                for d in (self.compressor.keyed_state() if self.compressor is not None else []):
+                    d.pop(old, None)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -51,14 +129,19 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     """DDP hook: returns at once; the bucket's sum, divided by the world size, arrives on the Future.
 
     DDP launches buckets in the same order on every rank, and the single background thread keeps that
-    order, which is what ZeroSum's per-call epochs need.
+    order, which is what ZeroSum's per-call epochs need. Compressor state is keyed by the bucket's
+    parameters (see HookState), not by ``bucket.index()``, which DDP's bucket rebuild reassigns.
     """
     fut = torch.futures.Future()
     buffer = bucket.buffer()
     world = state.worker.world_size
     state.buckets += 1
-
-    key = bucket.index()
+    if state.compressor is not None:
+        key = state.key(bucket)
+        sizes = tuple(p.numel() for p in bucket.parameters())
+        if sum(sizes) != buffer.numel():
+            raise ValueError(f"the bucket's buffer has {buffer.numel()} elements, its parameters "
+                             f"{sum(sizes)}: cannot tell which state belongs to which parameter")
 
     def run():
         try:
@@ -66,6 +149,7 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
                 # Averaged as the blocks arrive: no second pass over the (mostly zero) bucket.
                 fut.set_result(state.worker.allreduce(buffer, out=buffer, average=True))
                 return
+            state.adopt(key, sizes)         # here, after the previous bucket's compress is done
             # Compressors work on host arrays; they return the averaged estimate themselves.
             grad = buffer.detach().cpu().numpy()
             contribution = state.compressor.compress(grad, key)
@@ -81,8 +165,9 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
 
 def register(ddp_model, worker: Worker, compressor=None) -> HookState:
     """Send `ddp_model`'s gradient buckets through `worker` (an open zerosum.Worker), optionally
-    compressed by a zerosum.compression.Compressor (its state is kept per bucket)."""
-    state = HookState(worker, compressor)
+    compressed by a zerosum.compression.Compressor, its state kept per set of parameters in a bucket
+    and carried over when DDP rebuilds its buckets (see HookState)."""
+    state = HookState(worker, compressor, model=ddp_model)
     ddp_model.register_comm_hook(state, allreduce_hook)
     return state
 

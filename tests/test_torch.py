@@ -5,9 +5,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'zerosum[torch]')")
 
 import zerosum  # noqa: E402
+import zerosum.torch as zt  # noqa: E402
+from zerosum import compression as C  # noqa: E402
 from procs import Aggregator  # noqa: E402
 from test_worker_api import run_threads  # noqa: E402
-from torch_procs import backend_collectives, ddp_training, spawn, versus_gloo  # noqa: E402
+from torch_procs import (backend_collectives, ddp_rebuilt_buckets, ddp_training, spawn,  # noqa: E402
+                         versus_gloo)
 from zerosum.udp import free_port  # noqa: E402
 from zerosum.fixedpoint import block_exponents, max_error  # noqa: E402
 from zerosum.reference import reference_allreduce  # noqa: E402
@@ -101,6 +104,145 @@ def test_ddp_hook_matches_gloo_twin():
     for a, b in zip(p0, plain[0][0]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(l0, plain[0][1], rtol=1e-4)
+
+
+def test_ddp_hook_state_follows_the_parameters_when_ddp_rebuilds_its_buckets():
+    world, steps, density, lr = 2, 4, 0.25, 0.05
+    agg = Aggregator(world)
+    try:
+        res = spawn(ddp_rebuilt_buckets, world, free_port(), agg.address, steps, density, lr)
+    finally:
+        agg.stop()
+    logs = [r[0] for r in res]
+    before = res[0][2]
+    order = list(before)                                   # the model's order
+    sizes = {n: a.size for n, a in before.items()}
+    calls = [[(at, index, key) for at, index, key, _, _ in log] for log in logs]
+    assert calls[0] == calls[1]                            # the same buckets on every rank
+    buckets = {}                                           # step -> {bucket.index(): key}
+    for at, index, key in calls[0]:
+        buckets.setdefault(at, {})[index] = key
+    # DDP did rebuild: one bucket of every parameter, in the model's order, in the first iteration;
+    # three from the second on, and index 0 now holds other parameters (the last layers first).
+    assert buckets[0] == {0: tuple(order)}
+    assert len(buckets[1]) == 3 and buckets[1][0] != buckets[0][0]
+    assert sum(sizes[n] for n in buckets[1][0]) < sum(sizes.values())
+    assert sorted(n for key in buckets[1].values() for n in key) == sorted(order)
+    assert all(buckets[s] == buckets[1] for s in range(2, steps))
+    assert [r[4] for r in res] == [3] * world              # each rebuilt bucket took its state over, once
+
+    # By hand: error-feedback top-k over each bucket, its memory kept per parameter.
+    select = C.TopKBlocks(density, error_feedback=False)
+    memory = [{n: np.zeros(sizes[n], np.float32) for n in order} for _ in range(world)]
+    params = {n: torch.from_numpy(a.copy()) for n, a in before.items()}
+    per_call = list(zip(*logs))
+    for s in range(steps):
+        for call in (c for c in per_call if c[0][0] == s):
+            key = call[0][2]
+            cut = np.cumsum([0] + [sizes[n] for n in key])
+            sent = []
+            for r, (_, _, _, local, _) in enumerate(call):
+                corrected = np.concatenate([memory[r][n] for n in key]) + local
+                sent.append(select.compress(corrected))
+                rest = corrected - sent[-1]
+                memory[r].update((n, rest[cut[i]:cut[i + 1]]) for i, n in enumerate(key))
+            estimate = reference_allreduce(sent) / np.float32(world)
+            for r in range(world):
+                np.testing.assert_array_equal(call[r][4], estimate)       # what the hook gave DDP
+            for i, n in enumerate(key):                                    # SGD's step
+                step = torch.from_numpy(estimate[cut[i]:cut[i + 1]]).reshape(params[n].shape)
+                params[n].add_(step, alpha=-lr)
+        for r in range(world):
+            state = res[r][1][s]                           # the compressor's memory after step s
+            assert set(state) == set(buckets[s].values())  # the first iteration's key is gone
+            for key, m in state.items():
+                np.testing.assert_array_equal(m, np.concatenate([memory[r][n] for n in key]))
+    for n in order:
+        assert res[0][3][n].tobytes() == res[1][3][n].tobytes()              # identical on every rank
+        np.testing.assert_allclose(res[0][3][n], params[n].numpy(), rtol=1e-6, atol=1e-7)
+
+
+class _Bucket:
+    """The parts of DDP's GradBucket the hook uses."""
+
+    def __init__(self, params, grads):
+        self._params = list(params)
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+
+    def index(self):
+        return 0
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+
+class _SameOnEveryRank:
+    """A worker whose peers contribute what it does."""
+    world_size = 2
+
+    def allreduce(self, x):
+        return x * np.float32(2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: C.TopKBlocks(0.5, block_size=4), lambda: C.TopKElements(0.3), lambda: C.SignEF(block_size=4),
+    lambda: C.DGC(density=0.3, warmup=(), block_size=4),
+    lambda: C.DIANA(C.RandomKBlocks(2, block_size=4), omega=1),
+    lambda: C.DIANA(C.TopKBlocks(0.5, block_size=4), alpha=0.5),
+], ids=["topk-blocks", "topk-elements", "sign-ef", "dgc", "diana", "diana-around-ef"])
+def test_hook_state_moves_with_the_parameters_into_new_buckets(make):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    named = dict(module.named_parameters())
+    sizes = {n: p.numel() for n, p in named.items()}
+    compressor = make()
+    state = zt.HookState(_SameOnEveryRank(), compressor, model=module)
+    first = tuple(named)
+    for _ in range(2):      # the first iteration's bucket, in the model's order
+        grads = [torch.randn(p.shape) for p in named.values()]
+        zt.allreduce_hook(state, _Bucket(named.values(), grads)).wait()
+    dicts = compressor.keyed_state()
+    assert dicts and all(set(d) == {first} for d in dicts)
+    old = [d[first].copy() for d in dicts]
+    at = dict(zip(first, np.cumsum([0] + [sizes[n] for n in first])))
+
+    def expected(i, key):
+        return np.concatenate([old[i][at[n]:at[n] + sizes[n]] for n in key])
+
+    a, b = ("1.bias", "1.weight"), ("0.bias", "0.weight")     # the rebuilt buckets, in gradient order
+    state.adopt(a, tuple(sizes[n] for n in a))
+    for i, d in enumerate(dicts):
+        assert set(d) == {first, a}                        # 0.* still live under the first key
+        np.testing.assert_array_equal(d[a], expected(i, a))
+    state.adopt(b, tuple(sizes[n] for n in b))
+    for i, d in enumerate(dicts):
+        assert set(d) == {a, b}                            # the first key is gone with its last parameter
+        np.testing.assert_array_equal(d[b], expected(i, b))
+    assert state.relayouts == 2 and set(state.layouts) == {a, b}
+    for key in (a, b):      # and the hook goes on with them
+        zt.allreduce_hook(state, _Bucket([named[n] for n in key], [torch.randn(sizes[n]) for n in key])).wait()
+        assert all(d[key].shape == (sum(sizes[n] for n in key),) for d in dicts)
+    assert state.relayouts == 2 and all(set(d) == {a, b} for d in dicts)
+    state.close()
+
+
+def test_hook_keys_and_guards():
+    module = torch.nn.Linear(3, 2)
+    w, bias = module.weight, module.bias
+    bucket = _Bucket([bias, w], [torch.ones(2), torch.ones(6)])
+    assert zt.HookState(_SameOnEveryRank(), model=module).key(bucket) == ("bias", "weight")
+    assert zt.HookState(_SameOnEveryRank()).key(bucket) == (id(bias), id(w))   # no model: identities
+    state = zt.HookState(_SameOnEveryRank(), C.TopKBlocks(0.5, block_size=4), model=module)
+    with pytest.raises(ValueError, match="cannot tell which state"):
+        zt.allreduce_hook(state, _Bucket([bias, w], [torch.ones(2), torch.ones(7)]))
+    out = zt.allreduce_hook(state, bucket).wait()
+    assert out.shape == (8,)
+    with pytest.raises(ValueError, match="changed size"):
+        state.adopt(("bias", "weight"), (2, 5))
+    state.close()
 
 
 @pytest.mark.parametrize("world", [2, 4])

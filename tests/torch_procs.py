@@ -121,3 +121,65 @@ def backend_collectives(rank, world, port, env):
     name = pg.name() if hasattr(pg, "name") else ""
     dist.destroy_process_group()
     return t.numpy(), ti.numpy(), td.numpy(), tm.numpy(), b.numpy(), name
+
+
+def _mlp(seed):
+    """Four Linear layers: with bucket_cap_mb=0.01 DDP rebuilds its one bucket of the first iteration
+    into three (the last two layers, the second, the first) in the order the gradients got ready."""
+    import torch
+    torch.manual_seed(seed)
+    L = torch.nn.Linear
+    relu = torch.nn.ReLU
+    return torch.nn.Sequential(L(32, 64), relu(), L(64, 64), relu(), L(64, 64), relu(), L(64, 1))
+
+
+def ddp_rebuilt_buckets(rank, world, port, aggregator, steps, density, lr):
+    """DDP steps through the ZeroSum hook with an error-feedback top-k compressor, across DDP's bucket
+    rebuild. Returns, per bucket the hook got: (step, bucket.index(), the state's key, the local
+    gradient, the averaged estimate); per step the compressor's memory {key: array}; the parameters
+    before and after (by name) and the hook state's relayout count."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import zerosum
+    import zerosum.torch as zt
+    from zerosum.compression import TopKBlocks
+    _init_gloo(rank, world, port)
+    torch.set_num_threads(1)
+    module = _mlp(0)
+    before = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+    model = DDP(module, bucket_cap_mb=0.01)
+    worker = zerosum.Worker(rank, world, [aggregator])
+    worker.open()
+    state = zt.HookState(worker, TopKBlocks(density=density), model=model)
+    log, step = [], [0]
+
+    def logged(state, bucket):
+        at, index, key = step[0], bucket.index(), state.key(bucket)
+        local = bucket.buffer().detach().numpy().copy()
+
+        def done(fut):
+            out = fut.value()
+            log.append((at, index, key, local, out.detach().numpy().copy()))
+            return out
+        return zt.allreduce_hook(state, bucket).then(done)
+
+    model.register_comm_hook(state, logged)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(100 + rank)
+    memory = []
+    try:
+        for i in range(steps):
+            step[0] = i
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randn(16, 1, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            memory.append({k: v.copy() for k, v in state.compressor.ef.memory.items()})
+    finally:
+        state.close()
+        worker.close()
+        dist.destroy_process_group()
+    after = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+    return log, memory, before, after, state.relayouts

@@ -4,7 +4,7 @@ Every compressor maps a worker's gradient to what it contributes to the sum (`co
 over workers back to the gradient estimate (`decompress`). What it contributes is an ordinary dense
 float32 array: sparsifiers zero whole blocks, which ZeroSum then does not send; quantisers produce
 values the fixed-point sum carries exactly enough (see each class). State such as error-feedback memory
-is kept per key (one key per tensor or DDP bucket).
+is kept per key (one key per tensor, or per set of parameters in a DDP bucket).
 
     c = TopKBlocks(density=0.01)
     contribution = c.compress(grad, key="layer1")

@@ -23,6 +23,14 @@ class Compressor:
         """Default: the mean over workers (what the default DDP hook computes)."""
         return summed / np.float32(world)
 
+    def keyed_state(self) -> list[dict]:
+        """The dicts that hold this compressor's per-key state, {key: array}, each array laid out
+        element for element like the gradient last given for that key, and a missing key meaning
+        all zeros (error-feedback memory, DIANA shifts, DGC accumulators). The DDP hook moves these
+        arrays parameter by parameter when DDP regroups the parameters into new buckets. Default:
+        none (stateless compressors; a compressor whose state is not element-wise says none too)."""
+        return []
+
 
 class NoCompression(Compressor):
     def compress(self, grad, key="default"):

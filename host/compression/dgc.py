@@ -44,6 +44,9 @@ class DGC(Compressor):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def keyed_state(self) -> list[dict]:
+        return [self.u, self.v]
+
     @property
     def density(self) -> float:
         if self.epoch < len(self.warmup):

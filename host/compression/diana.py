@@ -32,6 +32,9 @@ class DIANA(Compressor):
         self.h_local: dict = {}
         self.h: dict = {}
 
+    def keyed_state(self) -> list[dict]:
+        return [self.h_local, self.h] + self.inner.keyed_state()
+
     def compress(self, grad, key="default"):
         g = np.asarray(grad, np.float32)
         h_i = self.h_local.get(key, np.zeros_like(g))

@@ -93,6 +93,9 @@ class SignEF(Compressor):
         """The step size the sent gradient will be multiplied by; rescales the memory by old/new."""
         self.ef.set_lr(lr)
 
+    def keyed_state(self) -> list[dict]:
+        return [self.ef.memory]
+
     def compress(self, grad, key="default"):
         g = np.asarray(grad, np.float32)
         p = self.ef.corrected(g, key)

@@ -25,6 +25,9 @@ class TopKBlocks(Compressor):
         if self.ef:
             self.ef.set_lr(lr)
 
+    def keyed_state(self) -> list[dict]:
+        return [self.ef.memory] if self.ef else []
+
     def k_for(self, nblocks: int) -> int:
         return max(1, int(round(self.density * nblocks)))
 
@@ -67,6 +70,9 @@ class TopKElements(Compressor):
     def set_lr(self, lr: float) -> None:
         if self.ef:
             self.ef.set_lr(lr)
+
+    def keyed_state(self) -> list[dict]:
+        return [self.ef.memory] if self.ef else []
 
     def compress(self, grad, key="default"):
         grad = np.asarray(grad, np.float32)
