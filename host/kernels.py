@@ -156,46 +156,78 @@ def check_entries(b, n, nent, block_size, tensor_blocks, slot_limit, seen, stamp
 # -- the block scan -------------------------------------------------------------------------------------
 
 @njit(**JIT)
-def scan_blocks(bits, block_size, is_int, blocks_out, exps_out):
-    """Find the non-zero blocks of a flat float32/int32 tensor seen as uint32 `bits`.
+def _block_exponent(bits, lo, hi, is_int):
+    """frexp exponent of the largest magnitude in bits[lo:hi] (INT_EXP for non-zero int32 data), NO_EXP
+    for a zero block, or INT_EXP + 1 for a block holding NaN or infinity."""
+    if is_int:
+        o = np.int64(0)
+        for i in range(lo, hi):
+            o |= np.int64(bits[i])
+        return INT_EXP if o != 0 else NO_EXP
+    m = np.int32(0)
+    for i in range(lo, hi):
+        v = bits[i] & np.int32(0x7FFFFFFF)
+        m = v if v > m else m
+    return _float_exponent(m)
+
+
+@njit(**JIT)
+def _float_exponent(m):
+    """frexp exponent of the float32 magnitude with bits m; NO_EXP for 0, INT_EXP + 1 for NaN/inf."""
+    if m == 0:
+        return NO_EXP
+    if m >= np.int32(0x7F800000):
+        return INT_EXP + 1
+    biased = np.int64(m) >> 23
+    if biased > 0:
+        return biased - 126
+    mant = np.int64(m)     # subnormal: frexp's exponent from the mantissa's bit length
+    length = 0
+    while mant:
+        length += 1
+        mant >>= 1
+    return np.int64(length - 149)
+
+
+@njit(**JIT)
+def scan_blocks(bits, words, block_size, is_int, blocks_out, exps_out):
+    """Find the non-zero blocks of a flat float32/int32 tensor seen as int32 `bits`.
 
     Writes their indices and exponents (frexp of the largest magnitude; INT_EXP for int32 data) and
-    returns (count, first block holding NaN or infinity, or -1). One pass: a float's magnitude
-    orders like its bits without the sign, so the maximum of `bits & 0x7FFFFFFF` is the block's largest
-    magnitude, and -0.0 counts as zero.
+    returns (count, first block holding NaN or infinity, or -1). A float's magnitude orders like its
+    bits without the sign, so the largest `bits & 0x7FFFFFFF` is the block's largest magnitude, and
+    -0.0 counts as zero. `words` is the same memory as uint64 (or empty when the block size is odd or
+    the buffer unaligned): an OR over it skips zero blocks at memory speed (an int32 OR loop does not
+    vectorise under numba's integer widening); only non-zero blocks are read again for their maximum.
     """
     n = bits.shape[0]
     nblocks = (n + block_size - 1) // block_size
+    half = block_size // 2
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if is_int else np.uint64(0x7FFFFFFF7FFFFFFF)
+    fast_blocks = n // block_size if words.shape[0] > 0 else 0
     count = 0
     for blk in range(nblocks):
+        if blk < fast_blocks:
+            w0 = blk * half
+            o = np.uint64(0)
+            for i in range(half):
+                o |= words[w0 + i]
+            if (o & mask) == 0:
+                continue
         lo = blk * block_size
         hi = min(lo + block_size, n)
-        m = np.uint32(0)
         if is_int:
+            e = _block_exponent(bits, lo, hi, is_int)
+        else:   # the maximum inline: numba vectorises it here, not through a call
+            m = np.int32(0)
             for i in range(lo, hi):
-                m |= bits[i]
-        else:
-            for i in range(lo, hi):
-                v = bits[i] & np.uint32(0x7FFFFFFF)
-                if v > m:
-                    m = v
-        if m == 0:
+                v = bits[i] & np.int32(0x7FFFFFFF)
+                m = v if v > m else m
+            e = _float_exponent(m)
+        if e == NO_EXP:
             continue
-        if is_int:
-            e = INT_EXP
-        else:
-            if m >= np.uint32(0x7F800000):
-                return count, blk
-            biased = np.int64(m >> np.uint32(23))
-            if biased > 0:
-                e = biased - 126
-            else:   # subnormal: frexp's exponent from the mantissa's bit length
-                mant = np.int64(m)
-                length = 0
-                while mant:
-                    length += 1
-                    mant >>= 1
-                e = np.int64(length - 149)
+        if e == INT_EXP + 1:
+            return count, blk
         blocks_out[count] = blk
         exps_out[count] = e
         count += 1
@@ -203,6 +235,73 @@ def scan_blocks(bits, block_size, is_int, blocks_out, exps_out):
 
 
 # -- the worker's data path -----------------------------------------------------------------------------
+
+
+# Per-value loops, each on its own so that LLVM vectorises them (no branches inside; the byte swap is
+# written out so that it becomes a shuffle). They compute in float32 where that is exact: x * 2**s is
+# exact in float32 while the product is a normal number (and a product that is not rounds to 0 either
+# way), and float32(sum) * 2**s rounds once, as np.ldexp does; shifts beyond float32's exponent range
+# take float64, where the same operations are exact until the final rounding.
+_F32_LO, _F32_HI = -126, 127
+
+
+@njit(**JIT)
+def _quantize_swapped(src, base, count, shift, words):
+    if _F32_LO <= shift <= _F32_HI:
+        scale = np.float32(math.ldexp(1.0, shift))
+        for v in range(count):
+            q = np.uint32(np.int32(np.rint(src[base + v] * scale)))
+            words[v] = (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
+                ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+    else:
+        scale64 = math.ldexp(1.0, shift)
+        for v in range(count):
+            q = np.uint32(np.int32(np.rint(np.float64(src[base + v]) * scale64)))
+            words[v] = (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
+                ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+
+
+@njit(**JIT)
+def _copy_swapped(src, base, count, words):
+    for v in range(count):
+        q = np.uint32(src[base + v])
+        words[v] = (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
+            ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+
+
+@njit(**JIT)
+def _store_ints(words, count, out, dst):
+    for v in range(count):
+        w = words[v]
+        out[dst + v] = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
+                                | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+
+
+@njit(**JIT)
+def _store_floats(words, count, shift, divisor, out, dst):
+    if -149 <= shift <= _F32_HI:
+        scale = np.float32(math.ldexp(1.0, shift))
+        for v in range(count):
+            w = words[v]
+            s = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
+                         | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+            out[dst + v] = (np.float32(s) * scale) / divisor
+    else:
+        scale64 = math.ldexp(1.0, shift)
+        for v in range(count):
+            w = words[v]
+            s = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
+                         | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+            out[dst + v] = np.float32(np.float64(np.float32(s)) * scale64) / divisor
+
+
+@njit(**JIT)
+def _add_swapped(words, acc):
+    for v in range(acc.shape[0]):
+        w = words[v]
+        acc[v] += np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
+                           | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+
 
 @njit(**JIT)
 def _mine(seq, mine_pos, col_stop, c, ahead):
@@ -268,15 +367,12 @@ def encode_data(out, cuts, cols, ncols, aggregators, hdr, round_block, round_exp
             if has:
                 base = seq_row[mine_pos[c]] * B
                 words = out[d: d + per_data].view(np.uint32)
+                valid = max(0, min(B, src_n - base))    # a short last block is zero-padded
                 if is_int:
-                    for v in range(B):
-                        x = np.uint32(src[base + v]) if base + v < src_n else np.uint32(0)
-                        words[v] = bswap32(x)
+                    _copy_swapped(src, base, valid, words)
                 else:
-                    scale = math.ldexp(1.0, precision - round_exp[c])
-                    for v in range(B):
-                        x = np.float64(src[base + v]) if base + v < src_n else 0.0
-                        words[v] = bswap32(np.uint32(np.int32(np.rint(x * scale)) & 0xFFFFFFFF))
+                    _quantize_swapped(src, base, valid, precision - round_exp[c], words)
+                words[valid:] = 0
                 d += per_data
         cuts[nd, 0] = agg
         cuts[nd, 1] = pos
@@ -354,13 +450,9 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
                 dst = block * B
                 limit = min(dst + B, out_n)
             if is_int:
-                for v in range(limit - dst):
-                    out_values[dst + v] = np.int32(bswap32(words[v]))
+                _store_ints(words, limit - dst, out_values, dst)
             else:
-                scale = math.ldexp(1.0, exp - precision)
-                for v in range(limit - dst):
-                    s = np.float32(np.int32(bswap32(words[v])))
-                    out_values[dst + v] = np.float32(np.float64(s) * scale) / divisor
+                _store_floats(words, limit - dst, exp - precision, divisor, out_values, dst)
         if sent_data:
             mine_pos[c] += 1
         if nxt > _mine(seq, mine_pos, col_stop, c, 0):
@@ -495,9 +587,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 continue
             if has:
                 words = b[at: at + block_size * 4].view(np.uint32)
-                a = acc[s]
-                for v in range(block_size):
-                    a[v] += np.int32(bswap32(words[v]))
+                _add_swapped(words, acc[s])
                 r[HAS_DATA_REG] = 1
             r[BITMAP] |= bit
             r[COUNT] += 1
@@ -577,8 +667,7 @@ def encode_slots(out, cuts, slots, nslots, status, regs, shadow, hdr, max_bytes)
                 if has:
                     words = out[d: d + per_data].view(np.uint32)
                     src = shadow[s]
-                    for v in range(B):
-                        words[v] = bswap32(np.uint32(src[v] & 0xFFFFFFFF))
+                    _copy_swapped(src.view(np.uint32), 0, B, words)
                     d += per_data
             e += ENT
         cuts[nd, 0] = pos
