@@ -124,9 +124,13 @@ def blocks_to_sparse(t, blocks: np.ndarray, rows: np.ndarray, block_size: int):
         if len(blocks) else np.zeros(len(wanted), bool)
     values = np.zeros(len(wanted), rows.dtype)
     values[found] = rows[at[found], wanted[found] % block_size]
+    # keep the sparse indices with a non-zero sum (a block also covers indices nobody touched)
+    live = values.reshape(len(positions), dense).any(axis=1) if dense else np.zeros(0, bool)
+    positions = positions[live]
+    values = values.reshape(-1, dense)[live].reshape(-1)
     index = np.stack(np.unravel_index(positions, sparse_shape)) if sparse_shape else \
         np.zeros((0, len(positions)), np.int64)
-    out = torch.sparse_coo_tensor(torch.from_numpy(np.ascontiguousarray(index, np.int64)),
-                                  torch.from_numpy(values.reshape(len(positions), *dense_shape)),
-                                  t.shape, device=t.device)
-    return out.coalesce()
+    # row-major positions from np.unique are sorted and unique: the tensor is coalesced as built
+    return torch.sparse_coo_tensor(torch.from_numpy(np.ascontiguousarray(index, np.int64)),
+                                   torch.from_numpy(values.reshape(len(positions), *dense_shape)),
+                                   t.shape, device=t.device, is_coalesced=True, check_invariants=False)

@@ -211,7 +211,8 @@ _ZEROSUM_DTYPES = (torch.float32, torch.int32)
 
 
 class ZeroSumProcessGroup(dist.ProcessGroup):
-    """SUM allreduce of float32/int32 through ZeroSum; everything else through gloo."""
+    """SUM allreduce of float32/int32 through ZeroSum (dense, or sparse COO from its values alone, as
+    gloo supports); everything else through gloo."""
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta):
         super().__init__(rank, world_size)
@@ -238,7 +239,10 @@ class ZeroSumProcessGroup(dist.ProcessGroup):
         try:
             with self._lock:
                 for t in tensors:
-                    if t.is_contiguous():
+                    if t.is_sparse:
+                        # like gloo: the coalesced sum replaces the input; cost follows its values
+                        t.copy_(self.worker.allreduce(t))
+                    elif t.is_contiguous():
                         self.worker.allreduce(t, out=t)
                     else:
                         t.copy_(self.worker.allreduce(t))
