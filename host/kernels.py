@@ -488,16 +488,18 @@ def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now):
 
 
 @njit(**JIT)
-def take_expired(round_block, cols, aggregators, deadline, sent_at, rto, quiet, max_rto, now):
-    """The columns whose timer expired while their aggregator was quiet, grouped by aggregator, with
+def take_expired(round_block, cols, aggregators, deadline, sent_at, rto, allow, max_rto, now):
+    """The columns whose timer expired, at most allow[a] of aggregator a, grouped by aggregator, with
     doubled timeouts and no round-trip sample from them (Karn's rule); returns the count."""
     S = round_block.shape[0]
     k = 0
     for a in range(aggregators):
-        if not quiet[a]:
-            continue
+        taken = 0
         for c in range(a, S, aggregators):
+            if taken >= allow[a]:
+                break
             if round_block[c] != END and deadline[c] <= now:
+                taken += 1
                 rto[c] = min(rto[c] * 2, max_rto)
                 cols[k] = c
                 deadline[c] = now + rto[c]

@@ -28,6 +28,7 @@ class WorkerStats:
     datagrams_sent: int = 0
     datagrams_received: int = 0
     retransmitted_entries: int = 0
+    probes: int = 0          # single entries sent to tell a loss from a slow peer (see AllreduceMachine.poll)
     drops: dict = field(default_factory=dict)
 
 
@@ -76,6 +77,7 @@ class Worker:
         self.slots = 0
         self.epoch = 0
         self.gather_on_device = gather_on_device
+        self._rtt = None      # (srtt, rttvar) carried from one allreduce to the next
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def __enter__(self) -> "Worker":
@@ -255,7 +257,9 @@ class Worker:
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
         if source.nblocks:
             layout = Layout(len(self.aggregators), self.slots, source.nblocks)
-            self._run(AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average))
+            m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, rtt=self._rtt)
+            self._run(m)
+            self._rtt = (m.srtt, m.rttvar)
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:
@@ -280,5 +284,6 @@ class Worker:
                     m.receive(got[0], got[1], time.monotonic())
         finally:
             self.stats.retransmitted_entries += m.retransmitted
+            self.stats.probes += m.probes
             for k, v in m.drops.items():
                 self.stats.drops[k] = self.stats.drops.get(k, 0) + v

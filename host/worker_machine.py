@@ -119,7 +119,9 @@ class JoinMachine:
 
 class AllreduceMachine:
     def __init__(self, config: WorkerConfig, epoch: int, source: BlockSource, layout: Layout,
-                 output: DenseResult | CollectedBlocks, average: bool = False):
+                 output: DenseResult | CollectedBlocks, average: bool = False, rtt: tuple | None = None):
+        """rtt: (srtt, rttvar) measured by an earlier allreduce to the same aggregators (RFC 6298 keeps
+        its estimate per path, not per transfer); None starts with config.rto."""
         self.cfg = config
         self.epoch = epoch
         self.source = source
@@ -154,9 +156,19 @@ class AllreduceMachine:
         self.srtt = None
         self.rttvar = 0.0
         self.base_rto = config.rto
+        if rtt is not None and rtt[0] is not None:
+            self.srtt, self.rttvar = rtt
+            self.base_rto = self._rto_of(self.srtt, self.rttvar)
+            self.rto[:] = self.base_rto
+        # Probing (see poll): per aggregator, the column sent alone to test for loss, or -1
+        self.probe = np.full(A, -1, np.int64)
+        self.loss_confirmed = np.zeros(A, bool)
+        self._allow = np.zeros(A, np.int64)
+        self.probes = 0
         self.waiting_for = np.zeros(S, np.int64)   # bitmap from the last STATUS per column (ranks heard)
         self.status_seen = np.zeros(S, bool)
         self.ready = np.zeros(S, bool)             # columns whose next round's entry is still to send
+        self.columns_of = [np.arange(a, S, A) for a in range(A)]
         self.slots_used = [layout.slots_used(a) for a in range(A)]
         self._seen = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
         self._stamp = 0
@@ -194,8 +206,11 @@ class AllreduceMachine:
         if self.done or self.last_progress is None:
             return np.inf
         K.earliest_deadlines(self.round_block, self.deadline, self.layout.aggregators, self._first)
-        d = float(np.maximum(self._first, self.last_heard + self.base_rto).min())
-        return min(d, self.last_progress + self.cfg.timeout)
+        d = np.maximum(self._first, self.last_heard + self.base_rto)
+        for a in np.flatnonzero((self.probe >= 0) | self.loss_confirmed):
+            # a probe out: its own timer; a loss confirmed: the expired columns, quiet or not
+            d[a] = self.deadline[self.probe[a]] if self.probe[a] >= 0 else self._first[a]
+        return min(float(d.min()), self.last_progress + self.cfg.timeout)
 
     deadline_at = property(timer)
 
@@ -226,18 +241,60 @@ class AllreduceMachine:
         return self._send(n) if n else []
 
     def poll(self, now: float) -> list[tuple[int, memoryview]]:
-        """Retransmit the columns whose timer expired; raise ZeroSumTimeout when progress stopped."""
+        """Retransmit what the timers say is lost; raise ZeroSumTimeout when progress stopped.
+
+        A column's timer expiring while its aggregator is quiet means a loss *or* a round that waits
+        for a slower worker; only a reply tells them apart. So the first expired column of a quiet
+        aggregator is sent alone, as a probe (like TCP's window probe): a STATUS answer says the
+        aggregator holds our entries and waits for others, and every column of that aggregator backs
+        off; a RESULT answer (the entry was missing) or no answer within the probe's timeout confirms a
+        loss, and then every expired column of that aggregator is retransmitted at once.
+        """
         if self.done:
             return []
         if self.last_progress + self.cfg.timeout <= now:   # the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
         np.less_equal(self.last_heard + self.base_rto, now, out=self._quiet)
+        S = self.layout.columns
+        for a in range(self.layout.aggregators):
+            p = self.probe[a]
+            if self.loss_confirmed[a] or (p >= 0 and self.deadline[p] <= now):
+                self._allow[a] = S           # loss: everything that expired
+            elif p < 0 and self._quiet[a]:
+                self._allow[a] = 1           # probe
+            else:
+                self._allow[a] = 0
         n = K.take_expired(self.round_block, self._cols, self.layout.aggregators, self.deadline,
-                           self.sent_at, self.rto, self._quiet, self.cfg.max_rto, now)
+                           self.sent_at, self.rto, self._allow, self.cfg.max_rto, now)
         if n == 0:
             return []
-        self.retransmitted += n
+        for a in range(self.layout.aggregators):
+            if self._allow[a] == 1:
+                taken = self._cols[:n][self._cols[:n] % self.layout.aggregators == a]
+                if len(taken):
+                    self.probe[a] = taken[0]
+                    self.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
+                    self.probes += 1
+            elif self._allow[a] == S:
+                self.retransmitted += int(np.count_nonzero(self._cols[:n] % self.layout.aggregators == a))
+                self.probe[a] = -1
+                self.loss_confirmed[a] = False
         return self._send(n)
+
+    def _probe_answered(self, a: int, now: float) -> None:
+        """After a datagram from aggregator a: did it answer the outstanding probe?"""
+        p = self.probe[a]
+        if self.waiting_for[p] >= 0:
+            # The aggregator holds our entry and waits for others: back off every pending column.
+            self.probe[a] = -1
+            cols = self.columns_of[a]
+            pending = cols[self.round_block[cols] != P.END]
+            self.rto[pending] = np.minimum(self.rto[pending] * 2, self.cfg.max_rto)
+            self.deadline[pending] = np.maximum(self.deadline[pending], now + self.rto[pending])
+        elif self.round_block[p] == P.END or not np.isfinite(self.deadline[p]) or self.ready[p]:
+            # The probe completed its round: the aggregator had been missing it. A loss.
+            self.probe[a] = -1
+            self.loss_confirmed[a] = True
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
@@ -281,6 +338,8 @@ class AllreduceMachine:
         if code > 0:
             raise ProtocolViolation(self._violation(code, aggregator, block))
         self.last_heard[aggregator] = now
+        if self.probe[aggregator] >= 0:
+            self._probe_answered(aggregator, now)
         if ptype == P.RESULT:
             self.last_progress = now
             self.remaining = self.layout.columns - int(self._counts[2])
@@ -318,7 +377,10 @@ class AllreduceMachine:
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
             self.srtt = 0.875 * self.srtt + 0.125 * r
-        self.base_rto = min(max(self.srtt + 4 * self.rttvar, self.cfg.min_rto), self.cfg.max_rto)
+        self.base_rto = self._rto_of(self.srtt, self.rttvar)
+
+    def _rto_of(self, srtt: float, rttvar: float) -> float:
+        return min(max(srtt + 4 * rttvar, self.cfg.min_rto), self.cfg.max_rto)
 
     # -- building datagrams -------------------------------------------------------------------------
     def _send(self, ncols: int) -> list[tuple[int, memoryview]]:
@@ -350,7 +412,8 @@ class AllreduceMachine:
             everyone = (1 << self.cfg.world) - 1
             missing = 0
             for bitmap in self.waiting_for[pending[heard]]:
-                missing |= everyone & ~int(bitmap)
+                if bitmap >= 0:       # -1: a probe's answer is still outstanding
+                    missing |= everyone & ~int(bitmap)
             missing &= ~(1 << self.cfg.rank)
             ranks = [r for r in range(self.cfg.world) if missing >> r & 1]
             if ranks:
