@@ -28,6 +28,7 @@ class AggregatorServer:
         self.machine = AggregatorMachine(job, workers, slots=granted)
         self.loss = LossHook(loss, seed)
         self.address = self.sock.getsockname()
+        self.datagrams_sent = 0
 
     def serve(self, stop=None, stats_interval: float = 0.0, idle_exit: float = 0.0) -> None:
         """Serve until `stop()` is true (checked at least every 0.2 s), or, with idle_exit, until
@@ -65,14 +66,17 @@ class AggregatorServer:
                 next_stats = time.monotonic() + stats_interval
 
     def _send(self, out) -> None:
+        sent = 0
         for dests, data in out:
             for dest in dests:
                 if self.loss.drop():
                     continue
                 try:
                     self.sock.sendto(data, dest)
+                    sent += 1
                 except OSError:
                     self.machine.count("send_errors")
+        self.datagrams_sent += sent
 
     def counters_line(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in sorted(self.machine.counters.items())) or "none"

@@ -120,7 +120,8 @@ def _aggregator(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address
     if args.announce:
-        from .local import ANNOUNCE
+        from .local import ANNOUNCE, snapshot_on_signal
+        snapshot_on_signal(server)
         print(ANNOUNCE, f"{host}:{port}", flush=True)
     logging.getLogger("zerosum.aggregator").info(
         "serving job %d for %d workers on %s:%d with %d slots", args.job, args.workers, host, port,
@@ -134,6 +135,7 @@ def _aggregator(args) -> int:
         if args.announce:
             import json
             from .local import peak_rss
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)   # no snapshot line in the middle of this one
             print(json.dumps({**server.machine.counters, "max_rss_bytes": peak_rss()}), flush=True)
         server.close()
     return 0

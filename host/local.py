@@ -2,7 +2,8 @@
 
 The aggregator runs as `python -m zerosum aggregator --announce`, a plain subprocess (so daemonic
 processes, such as multiprocessing workers, can start one too). It prints its address when ready and
-its counters as JSON when it stops.
+its counters as JSON when it stops; on SIGUSR1 it prints a snapshot of its counters and CPU time
+(`LocalAggregator.snapshot`, for the benchmark's per-row measurements).
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import ctypes
 import json
 import multiprocessing as mp
 import resource
+import select
 import signal
 import subprocess
 import sys
 
 CTX = mp.get_context("spawn")
 ANNOUNCE = "zerosum-aggregator-listening"
+SNAPSHOT = "zerosum-aggregator-snapshot"
 
 
 def peak_rss() -> int:
@@ -29,6 +32,22 @@ def peak_rss() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all its threads) so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def snapshot(server) -> dict:
+    """An aggregator's counters (received `datagrams`, drops, ...), the datagrams it sent and its CPU time."""
+    return {**dict(server.machine.counters), "datagrams_sent": server.datagrams_sent, "cpu_s": cpu_seconds()}
+
+
+def snapshot_on_signal(server) -> None:
+    """In the aggregator process: answer SIGUSR1 with one `SNAPSHOT {json}` line on stdout."""
+    signal.signal(signal.SIGUSR1, lambda *_: print(SNAPSHOT, json.dumps(snapshot(server)), flush=True))
 
 
 def _die_with_parent() -> None:
@@ -60,6 +79,19 @@ class LocalAggregator:
             raise RuntimeError(f"the aggregator process did not start (exit code {self.proc.wait()})")
         self.address = line[1]
         self.port = int(self.address.rsplit(":", 1)[1])
+
+    def snapshot(self, timeout: float = 30.0) -> dict:
+        """The running aggregator's counters, `datagrams_sent` and `cpu_s` (CPU seconds so far)."""
+        self.proc.send_signal(signal.SIGUSR1)
+        # The aggregator prints nothing else on stdout until it stops, so nothing is left buffered.
+        while select.select([self.proc.stdout], [], [], timeout)[0]:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(SNAPSHOT + " "):
+                return json.loads(line.split(" ", 1)[1])
+        raise RuntimeError("the aggregator process did not report its counters "
+                           f"(exit code {self.proc.poll()})")
 
     def stop(self) -> dict:
         if self.proc.returncode is not None:
