@@ -4,6 +4,12 @@ Every rank holds a float32 tensor whose non-zero blocks are chosen at random per
 `density`. Per density, each rank runs warm-up and timed ZeroSum allreduces, then the same tensor
 through torch.distributed's gloo allreduce in the same processes. A round's time is the slowest rank's;
 the table shows the median over rounds.
+
+Per row (world size and density) the bench also measures, over the timed allreduces only, the entries
+retransmitted, and the CPU time per datagram sent or received of each worker process and of the
+aggregator process(es). Workers record cumulative counters around each allreduce; the aggregators are
+asked for theirs (`LocalAggregator.snapshot`) while every rank waits at a checkpoint before the first
+and after the last timed allreduce. The summaries and the table are pure functions of those records.
 """
 from __future__ import annotations
 
@@ -11,15 +17,19 @@ import hashlib
 import json
 import os
 import queue
+import resource
 import statistics
 import time
 import traceback
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from .local import CTX, LocalAggregator
 from .udp import free_port as _free_port
+
+CHECKPOINT_TIMEOUT = 600.0   # seconds a rank waits for the others (and for the aggregators' snapshot)
 
 
 def bench_tensor(rank: int, density: float, n: int, block_size: int, seed: int = 0) -> np.ndarray:
@@ -33,14 +43,26 @@ def bench_tensor(rank: int, density: float, n: int, block_size: int, seed: int =
     return x[:n]
 
 
-def _worker(events, rank, world, addresses, plan, gloo_port):
+# -- in the worker processes -------------------------------------------------------------------------
+
+def _meter(w) -> dict:
+    """This worker process's cumulative counters: CPU seconds (the worker runs in the process's main
+    thread; other threads, such as gloo's, idle during ZeroSum allreduces), datagrams sent + received,
+    entries retransmitted and bytes sent."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    s = w.stats
+    return {"cpu_s": ru.ru_utime + ru.ru_stime, "datagrams": s.datagrams_sent + s.datagrams_received,
+            "retransmitted_entries": s.retransmitted_entries, "bytes_sent": s.bytes_sent}
+
+
+def _worker(events, acks, sync, rank, world, addresses, plan, gloo_port):
     try:
-        _worker_body(events, rank, world, addresses, plan, gloo_port)
+        _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port)
     except Exception as e:
         events.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _worker_body(events, rank, world, addresses, plan, gloo_port):
+def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
     import zerosum
     dist = None
     if plan["baseline"]:
@@ -53,20 +75,32 @@ def _worker_body(events, rank, world, addresses, plan, gloo_port):
         except ImportError:
             dist = None
     barrier = dist.barrier if dist else (lambda: None)
+
+    def checkpoint(row: int, phase: str) -> None:
+        """Every rank waits here while rank 0 has the bench snapshot the aggregators' counters."""
+        sync.wait(CHECKPOINT_TIMEOUT)
+        if rank == 0:
+            events.put(("checkpoint", row, phase))
+            acks.get(timeout=CHECKPOINT_TIMEOUT)
+        sync.wait(CHECKPOINT_TIMEOUT)
+
     with zerosum.Worker(rank, world, addresses, block_size=plan["block_size"], loss=plan["loss"],
                         seed=rank) as w:
-        for density in plan["densities"]:
+        for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
             y = np.empty_like(x)
-            zs, sent = [], []
+            zs, marks = [], []
             for i in range(plan["warmup"] + plan["rounds"]):
                 # In place, as gloo's all_reduce is: restore the input (untimed), then reduce it.
                 np.copyto(y, x)
+                if i == plan["warmup"]:
+                    checkpoint(row, "start")
                 barrier()
-                before = w.stats.bytes_sent
+                before = _meter(w)
                 t0 = time.perf_counter()
                 w.allreduce(y, out=y)
                 dt = time.perf_counter() - t0
+                marks.append((before, _meter(w)))
                 if i == 0:
                     digest = hashlib.sha1(y.tobytes()).hexdigest()
                     if plan["verify"] and rank == 0:
@@ -77,8 +111,8 @@ def _worker_body(events, rank, world, addresses, plan, gloo_port):
                             raise AssertionError(f"density {density}: result differs from the reference")
                 if i >= plan["warmup"]:
                     zs.append(dt)
-                    sent.append(w.stats.bytes_sent - before)
                 events.put(("step", rank))
+            checkpoint(row, "end")
             base = []
             if dist is not None:
                 import torch
@@ -92,22 +126,27 @@ def _worker_body(events, rank, world, addresses, plan, gloo_port):
                     if i >= plan["warmup"]:
                         base.append(dt)
                     events.put(("step", rank))
-            events.put(("result", rank, density, zs, base, sent, digest, w.stats.retransmitted_entries))
+            events.put(("result", rank, row,
+                        {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest}))
     if dist is not None:
         dist.destroy_process_group()
     events.put(("done", rank))
 
 
+# -- in the bench process ----------------------------------------------------------------------------
+
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
     aggs = [LocalAggregator(world, slots=plan["slots"], listen=f"127.0.0.1:{port + i if port else 0}")
             for i in range(aggregators)]
-    events = CTX.Queue()
+    events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
     gloo_port = _free_port()
-    procs = [CTX.Process(target=_worker, args=(events, r, world, [a.address for a in aggs], plan, gloo_port),
-                         daemon=True) for r in range(world)]
+    procs = [CTX.Process(target=_worker, daemon=True,
+                         args=(events, acks, sync, r, world, [a.address for a in aggs], plan, gloo_port))
+             for r in range(world)]
     for p in procs:
         p.start()
-    per_density: dict[float, list] = {}
+    results: dict[int, list[dict]] = {}
+    snapshots: dict[int, dict[str, list[dict]]] = {}
     done = 0
     try:
         while done < world:
@@ -119,8 +158,11 @@ def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambd
                 raise RuntimeError(f"rank {ev[1]} failed: {ev[2]}")
             if ev[0] == "step" and ev[1] == 0:
                 on_step()
+            elif ev[0] == "checkpoint":
+                snapshots.setdefault(ev[1], {})[ev[2]] = [a.snapshot() for a in aggs]
+                acks.put(True)
             elif ev[0] == "result":
-                per_density.setdefault(ev[2], []).append(ev)
+                results.setdefault(ev[2], []).append(ev[3])
             elif ev[0] == "done":
                 done += 1
     finally:
@@ -129,33 +171,149 @@ def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambd
             if p.is_alive():
                 p.kill()
         agg_counters = [a.stop() for a in aggs]
-    rows = []
-    for density in plan["densities"]:
-        evs = per_density[density]
-        if len({e[6] for e in evs}) != 1:
-            raise RuntimeError(f"density {density}: ranks got different results")
-        zs = statistics.median(max(e[3][i] for e in evs) for i in range(plan["rounds"]))
-        base = (statistics.median(max(e[4][i] for e in evs) for i in range(plan["rounds"]))
-                if evs[0][4] else None)
-        wire = statistics.mean(statistics.mean(e[5]) for e in evs)
-        rows.append({
-            "workers": world, "density": density, "zerosum_s": zs, "gloo_s": base,
-            "speedup": (base / zs) if base else None,
-            "wire_bytes_per_worker": wire,
-            "gloo_ring_bytes_per_worker": 2 * (world - 1) / world * plan["size"] * 4,
-            "retransmitted_entries": sum(e[7] for e in evs),
-        })
+    rows = [summarize_row(world, density, plan, results[row], snapshots[row]["start"], snapshots[row]["end"])
+            for row, density in enumerate(plan["densities"])]
     return {"rows": rows, "aggregators": agg_counters}
+
+
+def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """What each cumulative counter grew by between two snapshots (a counter absent before was 0)."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in {*before, *after}}
+
+
+def window_total(marks: Iterable[tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, float]:
+    """The sum of `counter_delta` over (before, after) pairs: what the counters grew by inside the windows."""
+    total: dict[str, float] = {}
+    for before, after in marks:
+        for k, v in counter_delta(before, after).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def us_per_datagram(cpu_s: float, datagrams: float) -> float | None:
+    return cpu_s / datagrams * 1e6 if datagrams else None
+
+
+def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict],
+                  agg_start: Sequence[Mapping], agg_end: Sequence[Mapping]) -> dict:
+    """One table row from every rank's result (`zerosum_s`, `gloo_s`: timed rounds; `marks`: cumulative
+    counters before and after each allreduce, warm-up included; `digest` of the first result) and the
+    aggregators' snapshots at the start and end of the timed rounds. Retransmissions, CPU time and
+    datagrams count the timed allreduces only (retransmissions in the warm-up are reported separately)."""
+    rounds, warmup = plan["rounds"], plan["warmup"]
+    if len({r["digest"] for r in results}) != 1:
+        raise RuntimeError(f"density {density}: ranks got different results")
+    zs = statistics.median(max(r["zerosum_s"][i] for r in results) for i in range(rounds))
+    base = (statistics.median(max(r["gloo_s"][i] for r in results) for i in range(rounds))
+            if results[0]["gloo_s"] else None)
+    timed = [window_total(r["marks"][warmup:]) for r in results]
+    warm = [window_total(r["marks"][:warmup]) for r in results]
+    agg = [counter_delta(b, a) for b, a in zip(agg_start, agg_end)]
+    wcpu, wdg = sum(t.get("cpu_s", 0) for t in timed), sum(t.get("datagrams", 0) for t in timed)
+    acpu = sum(d.get("cpu_s", 0) for d in agg)
+    adg = sum(d.get("datagrams", 0) + d.get("datagrams_sent", 0) for d in agg)
+    return {
+        "workers": world, "density": density, "zerosum_s": zs, "gloo_s": base,
+        "speedup": (base / zs) if base else None,
+        "wire_bytes_per_worker": statistics.mean(t.get("bytes_sent", 0) for t in timed) / rounds,
+        "gloo_ring_bytes_per_worker": 2 * (world - 1) / world * plan["size"] * 4,
+        "retransmitted_entries": sum(t.get("retransmitted_entries", 0) for t in timed),
+        "warmup_retransmitted_entries": sum(t.get("retransmitted_entries", 0) for t in warm),
+        # Per allreduce: CPU seconds and datagrams (sent + received) of one worker process (the mean)...
+        "worker_cpu_s": wcpu / world / rounds, "worker_datagrams": wdg / world / rounds,
+        "worker_cpu_us_per_datagram": us_per_datagram(wcpu, wdg),
+        # ... and of the aggregator process(es) together (received `datagrams` + `datagrams_sent`).
+        "aggregator_cpu_s": acpu / rounds, "aggregator_datagrams": adg / rounds,
+        "aggregator_cpu_us_per_datagram": us_per_datagram(acpu, adg),
+    }
+
+
+# -- reporting (pure functions of the results) ---------------------------------------------------------
+
+# (header, legend): headers short enough for the table to fit 80 columns; the legend goes under it.
+COLUMNS = [
+    ("wkrs", "worker processes"),
+    ("dens", "density, the fraction of non-zero blocks"),
+    ("ZS s", "ZeroSum allreduce seconds (median over rounds of the slowest rank)"),
+    ("gloo s", "the same for torch gloo's allreduce"),
+    ("ratio", "gloo s / ZS s (above 1: ZeroSum is faster)"),
+    ("wire MB", "UDP payload a worker sends per allreduce"),
+    ("ring MB", "what gloo's ring sends per worker"),
+    ("retx", "entries retransmitted in the timed allreduces (all workers)"),
+    ("wkr µs/dg", "CPU µs per datagram sent or received, in a worker process"),
+    ("agg µs/dg", "the same in the aggregator process(es)"),
+]
+
+
+def ratio_label(ratio: float) -> str:
+    return f"{ratio:.2f}×"
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table_cells(r: Mapping) -> list[str]:
+    """One row of the table, in the order of COLUMNS ("-" where a value is missing)."""
+    mb = lambda key: _num(r[key] / 1e6 if r.get(key) is not None else None, ".1f")  # noqa: E731
+    return [str(r["workers"]), f"{r['density']:g}", _num(r.get("zerosum_s"), ".3f"),
+            _num(r.get("gloo_s"), ".3f"),
+            ratio_label(r["speedup"]) if r.get("speedup") else "-", mb("wire_bytes_per_worker"),
+            mb("gloo_ring_bytes_per_worker"), _num(r.get("retransmitted_entries"), "d"),
+            _num(r.get("worker_cpu_us_per_datagram"), ".0f"),
+            _num(r.get("aggregator_cpu_us_per_datagram"), ".0f")]
+
+
+def bench_table(results: Mapping):
+    """The rich table of a bench's results, with a legend of its short headers as the caption."""
+    from rich import box
+    from rich.table import Table
+    plan = results["plan"]
+    aggs = results["aggregators"]
+    table = Table(title=f"ZeroSum vs gloo: {plan['size']:,} float32, block {plan['block_size']}, "
+                        f"{aggs} aggregator{'s' if aggs != 1 else ''}, {results['cpus']} CPUs",
+                  caption="; ".join(f"{h}: {legend}" for h, legend in COLUMNS) + ".",
+                  caption_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 0, 0, 1))   # one space of padding and one of box: columns 2 apart
+    for header, _ in COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    for run in results["runs"]:
+        for r in run["rows"]:
+            table.add_row(*table_cells(r))
+    return table
+
+
+NICE = tuple(round(m * 10.0 ** e, 6) for e in range(-6, 4) for m in (1, 2, 5))   # 1-2-5 ticks of a log axis
+
+
+def nice_ticks(lo: float, hi: float) -> list[float]:
+    """The 1-2-5 values (…, 0.2, 0.5, 1, 2, 5, …) within [lo, hi]."""
+    return [t for t in NICE if lo <= t <= hi]
+
+
+def ratio_axis(ratios: Iterable[float], pad: float = 1.15) -> tuple[tuple[float, float], list[float]]:
+    """Limits and ticks of a log ratio axis: the data and 1×, out to the nearest 1-2-5 value on either
+    side (so a 1.76× point has 1× and 2× around it), widened by the factor `pad`; the ticks are the
+    1-2-5 values within."""
+    values = [v for v in ratios if v and v > 0] + [1.0]
+    lo = max([t for t in NICE if t <= min(values)], default=min(values))
+    hi = min([t for t in NICE if t >= max(values)], default=max(values))
+    return (lo / pad, hi * pad), nice_ticks(lo, hi)
+
+
+def tick_label(ratio: float) -> str:
+    return f"{ratio:g}×"
 
 
 def run_from_args(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from .protocol import MAX_WORLD
     if any(w > MAX_WORLD for w in args.workers):
         raise ValueError(f"--workers must be at most {MAX_WORLD}, got {max(args.workers)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     console = Console()
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
@@ -175,19 +333,7 @@ def run_from_args(args) -> int:
             progress.update(task, description=f"{world} workers")
             results["runs"].append(run_world(world, plan, args.aggregators, args.port,
                                              on_step=lambda: progress.advance(task)))
-    table = Table(title=f"ZeroSum vs gloo: {args.size:,} float32, block {args.block_size}, "
-                        f"{args.aggregators} aggregator process(es), {os.cpu_count()} CPUs")
-    for col in ("workers", "density", "ZeroSum (s)", "gloo (s)", "speedup", "wire MB/worker",
-                "gloo ring MB/worker", "retransmits"):
-        table.add_column(col, justify="right")
-    for run in results["runs"]:
-        for r in run["rows"]:
-            table.add_row(str(r["workers"]), f"{r['density']:g}", f"{r['zerosum_s']:.3f}",
-                          f"{r['gloo_s']:.3f}" if r["gloo_s"] else "-",
-                          f"{r['speedup']:.2f}x" if r["speedup"] else "-",
-                          f"{r['wire_bytes_per_worker'] / 1e6:.1f}", f"{r['gloo_ring_bytes_per_worker'] / 1e6:.1f}",
-                          str(r["retransmitted_entries"]))
-    console.print(table)
+    console.print(bench_table(results))
     rss = max(c["max_rss_bytes"] for run in results["runs"] for c in run["aggregators"])
     console.print(f"aggregator peak memory: {rss / 2**20:.0f} MiB"
                   + (" (sums verified against the fixed-point reference)" if args.verify else ""))
@@ -195,27 +341,99 @@ def run_from_args(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     if plan["baseline"]:
-        _plot(results, out / "bench.png")
+        plot(results, out / "bench.png")
     console.print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if plan["baseline"] else ""))
     return 0
 
 
-def _plot(results: dict, path: Path) -> None:
+def plot(results: Mapping, path: Path) -> None:
+    """Speedup over gloo against density, one line per world size, each point labelled with its ratio."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter, NullLocator
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    points, lines = [], []
     for run in results["runs"]:
         rows = [r for r in run["rows"] if r["speedup"]]
-        ax.plot([r["density"] for r in rows], [r["speedup"] for r in rows], "o-",
-                label=f"{rows[0]['workers']} workers" if rows else "")
+        if not rows:
+            continue
+        xs, ys = [r["density"] for r in rows], [r["speedup"] for r in rows]
+        (line,) = ax.plot(xs, ys, "o-", ms=5, label=f"{rows[0]['workers']} workers")
+        lines.append(line)
+        points += [(x, y, line.get_color()) for x, y in zip(xs, ys)]
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    (lo, hi), ticks = ratio_axis(y for _, y, _ in points)
+    ax.set_ylim(lo, hi)
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FixedFormatter([tick_label(t) for t in ticks]))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    if points:
+        # Room for the labels beside the outermost points; at least a decade of density.
+        x0, x1 = min(x for x, _, _ in points) / 1.6, max(x for x, _, _ in points) * 1.8
+        widen = max(1.0, (10 * x0 / x1) ** 0.5)
+        ax.set_xlim(x0 / widen, x1 * widen)
+        xticks = nice_ticks(x0 / widen, x1 * widen)
+        ax.xaxis.set_major_locator(FixedLocator(xticks))
+        ax.xaxis.set_major_formatter(FixedFormatter([f"{t:g}" for t in xticks]))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("density (fraction of non-zero blocks)")
     ax.set_ylabel("speedup over gloo allreduce")
     ax.set_title("ZeroSum vs torch gloo on loopback")
-    ax.legend()
+    if points:
+        ax.legend(loc="lower left")
     fig.tight_layout()
+    _label_points(fig, ax, points, lines)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _label_points(fig, ax, points, lines) -> None:
+    """Label each (x, y, color) point with its ratio at the first place beside, above or below it that
+    overlaps no label already placed, no marker, no line and nothing outside the axes (else the least
+    bad one; lines count less than the rest)."""
+    renderer = fig.canvas.get_renderer()
+    k = fig.dpi / 72   # pixels per point
+    pixels = ax.transData.transform([(x, y) for x, y, _ in points]) if points else []
+    obstacles = [(px - 4 * k, py - 4 * k, px + 4 * k, py + 4 * k) for px, py in pixels]
+    if ax.get_legend():
+        obstacles.append(ax.get_legend().get_window_extent(renderer).extents)
+    # Each line as small squares every 2 points along it.
+    strokes = []
+    for line in lines:
+        xy = ax.transData.transform(line.get_xydata())
+        for (xa, ya), (xb, yb) in zip(xy, xy[1:]):
+            n = max(1, int(np.hypot(xb - xa, yb - ya) / (2 * k)))
+            strokes += [(xa + (xb - xa) * t - k, ya + (yb - ya) * t - k, xa + (xb - xa) * t + k,
+                         ya + (yb - ya) * t + k) for t in np.linspace(0, 1, n + 1)]
+    frame = ax.get_window_extent(renderer).extents
+    background = {"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none", "alpha": 0.7}
+    places = [(6, 0, "left", "center"), (-6, 0, "right", "center"), (0, 5, "center", "bottom"),
+              (0, -5, "center", "top"), (5, 5, "left", "bottom"), (5, -5, "left", "top"),
+              (-5, 5, "right", "bottom"), (-5, -5, "right", "top"), (0, 14, "center", "bottom"),
+              (0, -14, "center", "top")]
+
+    def overlap(a, b) -> float:
+        return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+
+    for x, y, color in points:
+        best = None
+        for dx, dy, ha, va in places:
+            text = ax.annotate(ratio_label(y), (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha,
+                               va=va, fontsize=7, color=color, bbox=background)
+            box = text.get_window_extent(renderer).padded(k).extents
+            area = (box[2] - box[0]) * (box[3] - box[1])
+            cost = (sum(overlap(box, o) for o in obstacles) + area - overlap(box, frame)
+                    + 0.1 * sum(overlap(box, o) for o in strokes))
+            if best is None or cost < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (cost, text, box)
+            else:
+                text.remove()
+            if cost == 0:
+                break
+        obstacles.append(best[2])

@@ -1,0 +1,156 @@
+"""`zerosum bench` reporting: the table fits 80 columns, per-row counters are differences (not running
+totals), the plot's ratio ticks, and one small real run that writes every new field."""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from zerosum.bench import (COLUMNS, bench_table, counter_delta, plot, ratio_axis, ratio_label, summarize_row,
+                           tick_label, window_total)
+from zerosum.local import LocalAggregator
+
+PLAN = {"densities": [1.0, 0.01], "size": 26_214_400, "block_size": 256, "rounds": 2, "warmup": 1,
+        "baseline": True, "verify": True, "loss": 0.0, "slots": 2048}
+
+
+def mark(cpu_s, datagrams, retransmitted, bytes_sent):
+    return {"cpu_s": cpu_s, "datagrams": datagrams, "retransmitted_entries": retransmitted,
+            "bytes_sent": bytes_sent}
+
+
+def render(table, width=80) -> str:
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    console.print(table)
+    return console.file.getvalue()
+
+
+def wide_results() -> dict:
+    """Results with the widest values a run is likely to give (seconds ≥ 10, 5-digit retransmissions)."""
+    row = {"workers": 8, "density": 0.04, "zerosum_s": 10.308, "gloo_s": 0.471, "speedup": 0.0457,
+           "wire_bytes_per_worker": 106.7e6, "gloo_ring_bytes_per_worker": 183.5e6,
+           "retransmitted_entries": 18432,
+           "worker_cpu_us_per_datagram": 1512.4, "aggregator_cpu_us_per_datagram": 271.2}
+    return {"plan": PLAN, "aggregators": 1, "cpus": 2,
+            "runs": [{"rows": [row, {**row, "density": 0.01, "gloo_s": None, "speedup": None,
+                                     "aggregator_cpu_us_per_datagram": None}]}]}
+
+
+def test_the_table_fits_80_columns_with_whole_headers_and_a_legend():
+    out = render(bench_table(wide_results()))
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in out                       # no header and no value is cut
+    header = next(line for line in lines if "wkrs" in line)
+    cells = [c for c in header.split("  ") if c.strip()]
+    assert [c.strip() for c in cells] == [h for h, _ in COLUMNS]
+    assert "wkr µs/dg" in header and "agg µs/dg" in header
+    legend = " ".join(" ".join(lines[lines.index(header) + 1:]).split())
+    for h, _ in COLUMNS:
+        assert f"{h}:" in legend
+    assert "10.308" in out and "18432" in out and "1512" in out and "0.05×" in out
+
+
+def test_the_table_shows_dashes_for_missing_values():
+    out = render(bench_table(wide_results()))
+    last = [line for line in out.splitlines() if line.strip().startswith("8  0.01")][0]
+    assert last.split()[3:5] == ["-", "-"] and last.split()[-1] == "-"
+
+
+def test_counter_delta_and_window_total():
+    assert counter_delta({"a": 3, "b": 1}, {"a": 5, "c": 2}) == {"a": 2, "b": -1, "c": 2}
+    marks = [(mark(1.0, 10, 0, 100), mark(1.5, 20, 4, 300)), (mark(2.0, 25, 4, 350), mark(2.25, 30, 4, 400))]
+    assert window_total(marks) == mark(0.75, 15, 4, 250)
+    assert window_total([]) == {}
+
+
+def test_retransmissions_are_per_row_not_running_totals():
+    """A worker's counters are cumulative over densities: the first density retransmits 5 entries in its
+    timed rounds, the second none in its timed rounds (3 in its warm-up): the rows say 5, then 0."""
+    cum = [mark(0.0, 0, 0, 0), mark(1.0, 100, 0, 1000),    # density 1.0: warm-up
+           mark(1.0, 100, 0, 1000), mark(2.0, 200, 2, 2000),  # timed
+           mark(2.0, 200, 2, 2000), mark(3.0, 300, 5, 3000),  # timed
+           mark(3.0, 300, 5, 3000), mark(3.5, 310, 8, 3100),  # density 0.01: warm-up
+           mark(3.5, 310, 8, 3100), mark(3.6, 320, 8, 3200),  # timed
+           mark(3.6, 320, 8, 3200), mark(3.7, 330, 8, 3300)]  # timed
+    pairs = list(zip(cum[::2], cum[1::2]))
+    agg = [{"datagrams": n, "datagrams_sent": n, "cpu_s": cpu}     # an aggregator's snapshots
+           for n, cpu in [(0, 0.0), (400, 0.8), (420, 0.85), (460, 0.87)]]
+    rows = []
+    for i, density in enumerate(PLAN["densities"]):
+        results = [{"zerosum_s": [0.5, 0.7], "gloo_s": [0.1, 0.1], "digest": "d",
+                    "marks": pairs[3 * i:3 * i + 3]} for _ in range(2)]   # two ranks with the same counters
+        rows.append(summarize_row(2, density, PLAN, results, [agg[2 * i]], [agg[2 * i + 1]]))
+    assert [r["retransmitted_entries"] for r in rows] == [10, 0]       # 5 per rank, 2 ranks
+    assert [r["warmup_retransmitted_entries"] for r in rows] == [0, 6]
+    assert rows[0]["worker_cpu_us_per_datagram"] == pytest.approx(2.0 / 200 * 1e6)
+    assert rows[1]["worker_cpu_us_per_datagram"] == pytest.approx(0.2 / 20 * 1e6)
+    assert rows[0]["worker_cpu_s"] == pytest.approx(1.0) and rows[0]["worker_datagrams"] == 100
+    assert rows[0]["aggregator_cpu_us_per_datagram"] == pytest.approx(0.8 / 800 * 1e6)
+    assert rows[1]["aggregator_cpu_us_per_datagram"] == pytest.approx(0.02 / 80 * 1e6)
+    assert rows[1]["aggregator_cpu_s"] == pytest.approx(0.01) and rows[1]["aggregator_datagrams"] == 40
+    assert rows[0]["wire_bytes_per_worker"] == 1000
+    assert rows[0]["zerosum_s"] == pytest.approx(0.6) and rows[0]["speedup"] == pytest.approx(0.1 / 0.6)
+
+
+def test_rows_with_different_results_are_an_error():
+    results = [{"zerosum_s": [1, 1], "gloo_s": [], "digest": d, "marks": []} for d in "ab"]
+    with pytest.raises(RuntimeError, match="different results"):
+        summarize_row(2, 0.5, PLAN, results, [], [])
+
+
+@pytest.mark.parametrize("ratios, ticks", [
+    ([1.76], [1, 2]),                                   # a tick above the point, not only 1×
+    ([0.05, 1.74], [0.05, 0.1, 0.2, 0.5, 1, 2]),
+    ([0.34, 3.27], [0.2, 0.5, 1, 2, 5]),                # a tick beyond the outermost points
+    ([0.3, 12], [0.2, 0.5, 1, 2, 5, 10, 20]),
+    ([0.2, 0.5], [0.2, 0.5, 1]),                        # 1× is always on the axis
+    ([], [1]),
+])
+def test_ratio_ticks_are_the_1_2_5_values_around_the_data(ratios, ticks):
+    (lo, hi), got = ratio_axis(ratios)
+    assert got == ticks
+    assert lo < min(ticks) and hi > max(ticks)          # a margin beyond the outermost ticks
+
+
+def test_ratio_labels():
+    assert [tick_label(t) for t in (0.2, 0.5, 1.0, 2.0, 10.0)] == ["0.2×", "0.5×", "1×", "2×", "10×"]
+    assert ratio_label(1.7571) == "1.76×" and ratio_label(0.0545) == "0.05×"
+
+
+def test_plot_writes_a_png(tmp_path):
+    results = wide_results()
+    results["runs"].append({"rows": [{"workers": 2, "density": d, "speedup": s}
+                                     for d, s in [(1, 0.05), (0.01, 1.76)]]})
+    plot(results, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_local_aggregator_reports_its_counters_and_cpu_while_running():
+    agg = LocalAggregator(2)
+    try:
+        first, second = agg.snapshot(), agg.snapshot()
+        assert first["datagrams_sent"] == 0 and first.get("datagrams", 0) == 0
+        assert 0 < first["cpu_s"] <= second["cpu_s"]
+    finally:
+        counters = agg.stop()
+    assert counters["max_rss_bytes"] > 0
+
+
+def test_a_small_bench_reports_per_row_cpu_and_retransmissions(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "zerosum", "bench", "--workers", "2", "--densities", "0.5",
+                        "--size", "20000", "--rounds", "2", "--output", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "wkr µs/dg" in r.stdout and "…" not in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["rows"]
+    # Loss recovery may or may not retransmit on loopback; the counts are per row, never negative.
+    assert all(isinstance(row[k], int) and row[k] >= 0
+               for k in ("retransmitted_entries", "warmup_retransmitted_entries"))
+    assert row["worker_datagrams"] > 0 and row["aggregator_datagrams"] >= 2 * row["worker_datagrams"] * 0.9
+    assert row["worker_cpu_us_per_datagram"] > 0 and row["aggregator_cpu_us_per_datagram"] > 0
+    assert (tmp_path / "bench.png").exists() == (row["gloo_s"] is not None)
