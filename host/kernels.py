@@ -509,12 +509,24 @@ def take_expired(round_block, cols, aggregators, deadline, sent_at, rto, allow, 
 
 
 @njit(**JIT)
-def earliest_deadlines(round_block, deadline, aggregators, out):
-    """Per aggregator, the earliest timer of its columns still in progress (inf if none)."""
-    out[:] = np.inf
+def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, loss_confirmed):
+    """When the worker's timers next need a look: per aggregator, the earliest timer of its columns
+    still in progress, once the aggregator has been quiet for base_rto; with a probe out, the probe's
+    own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery")."""
+    first = np.full(aggregators, np.inf)
     for c in range(round_block.shape[0]):
-        if round_block[c] != END and deadline[c] < out[c % aggregators]:
-            out[c % aggregators] = deadline[c]
+        if round_block[c] != END and deadline[c] < first[c % aggregators]:
+            first[c % aggregators] = deadline[c]
+    t = np.inf
+    for a in range(aggregators):
+        if probe[a] >= 0:
+            d = deadline[probe[a]]
+        elif loss_confirmed[a]:
+            d = first[a]
+        else:
+            d = max(first[a], last_heard[a] + base_rto)
+        t = min(t, d)
+    return t
 
 
 # -- the aggregator ---------------------------------------------------------------------------------------

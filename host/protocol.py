@@ -116,32 +116,6 @@ def max_entries(max_bytes: int, block_size: int, with_data: bool = True) -> int:
     return min(n, 0xFFFF)
 
 
-def split_points(has: np.ndarray, block_size: int, max_bytes: int = MAX_DATAGRAM,
-                 max_count: int = 0xFFFF) -> list[int]:
-    """Where to cut a run of entries (HAS_DATA flags `has`) into datagrams of at most `max_bytes`.
-
-    Header-only entries cost 16 bytes and data entries 16 + 4*block_size, so a sparse round fuses
-    thousands of columns into one datagram while a dense one carries as many blocks as fit.
-    At most `max_count` entries go in one datagram (1 for a switch, whose parser takes one entry).
-    Returns the cut positions, starting with 0 and ending with len(has).
-    """
-    budget = min(max_bytes, MAX_DATAGRAM) - PACKET_HEADER_SIZE
-    per_data = block_size * WIRE_VALUE.itemsize
-    if ENTRY_SIZE + per_data > budget:
-        raise ValueError(f"a datagram of {max_bytes} bytes cannot carry one block of {block_size} values")
-    ends = np.cumsum(ENTRY_SIZE + per_data * np.asarray(has, np.int64))
-    cuts, start, used = [0], 0, 0
-    n = len(ends)
-    while start < n:
-        # entries fit while their cumulative size stays within the budget (and the 16-bit count)
-        stop = int(np.searchsorted(ends, used + budget, side="right"))
-        stop = min(max(stop, start + 1), start + min(max_count, 0xFFFF), n)
-        cuts.append(stop)
-        used = int(ends[stop - 1])
-        start = stop
-    return cuts
-
-
 def encode_into(buf: memoryview | bytearray, header: Header, entries: np.ndarray,
                 data: np.ndarray | None = None) -> int:
     """Write a datagram into `buf` (reused between sends); return its length.
@@ -208,47 +182,24 @@ def decode(buf, length: int | None = None) -> Datagram:
     end_of_headers = PACKET_HEADER_SIZE + nent * ENTRY_SIZE
     if n < end_of_headers:
         raise ProtocolError("length", f"{nent} entries need {end_of_headers} bytes, got {n}")
+    # The entry rules are checked by the same compiled code the machines run on every datagram.
+    from . import kernels
+    raw = np.frombuffer(mv, np.uint8)
+    reason, rows = kernels.check_entries(raw, n, nent, bsize, tblocks, 0x10000, np.zeros(0x10000, np.int64), 1,
+                                         ptype in (DATA, RESULT))
+    if reason:
+        raise ProtocolError(kernels.DROP_REASONS[reason].removeprefix("drop_"),
+                            _REASON_TEXT[kernels.DROP_REASONS[reason]])
     entries = np.frombuffer(mv, dtype=ENTRY_HEADER, count=nent, offset=PACKET_HEADER_SIZE)
     d = Datagram(header, entries, _EMPTY_ROWS)
-    if nent and d.flags.max() > HAS_DATA:
-        raise ProtocolError("flags", "unknown entry flags")
-    rows = int(d.row[-1]) + 1 if nent and d.has[-1] else int(d.has.sum())
-    expect = end_of_headers + rows * bsize * WIRE_VALUE.itemsize
-    if n != expect:
-        raise ProtocolError("length", f"{nent} entries with {rows} data blocks of "
-                                      f"{bsize} values need {expect} bytes, got {n}")
     d.data = np.frombuffer(mv, dtype=WIRE_VALUE, count=rows * bsize, offset=end_of_headers).reshape(rows, bsize)
-    if nent and ptype in (DATA, RESULT):
-        _check_entries(d)
     return d
 
 
-def _check_entries(d: Datagram) -> None:
-    limit = d.header.tensor_blocks
-    if limit > MAX_BLOCKS:
-        raise ProtocolError("range", f"tensor of {limit} blocks is too large")
-    block, nxt = d.block, d.next
-    real = block != BOOT
-    # One combined mask on the fast path; the reason is worked out only for bad datagrams.
-    bad = (block >= limit) & real
-    bad |= (nxt != END) & ((nxt >= limit) | (real & (nxt <= block)))
-    bad |= d.has & (~real | (d.exp == NO_EXP))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        if d.has[i] and not real[i]:
-            raise ProtocolError("flags", "a bootstrap entry carries no data")
-        if d.has[i] and d.exp[i] == NO_EXP:
-            raise ProtocolError("exponent", "a data entry needs an exponent")
-        if real[i] and block[i] >= limit:
-            raise ProtocolError("range", f"block index {block[i]} beyond the tensor's {limit} blocks")
-        raise ProtocolError("range", "next index must be a later block of the tensor or END")
-
-
-def repeats_a_slot(slots: np.ndarray, scratch: np.ndarray) -> bool:
-    """Whether a datagram names a slot twice (slots must be < len(scratch); scratch is reused)."""
-    n = len(slots)
-    if n < 2:
-        return False
-    order = np.arange(n)
-    scratch[slots] = order
-    return bool((scratch[slots] != order).any())
+_REASON_TEXT = {
+    "drop_length": "the length disagrees with the header's entry count, data blocks and block size",
+    "drop_flags": "unknown entry flags, or data on a bootstrap entry",
+    "drop_exponent": "a data entry needs an exponent",
+    "drop_range": "a block, next index or slot out of range (next must be a later block or END; "
+                  "a slot may appear once per datagram)",
+}

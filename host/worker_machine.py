@@ -173,7 +173,6 @@ class AllreduceMachine:
         self._seen = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
         self._stamp = 0
         self._cols = np.zeros(S, np.int64)
-        self._first = np.zeros(A)
         self._quiet = np.zeros(A, bool)
         self.last_heard = np.zeros(A)
         self.last_progress = None
@@ -205,12 +204,9 @@ class AllreduceMachine:
         """
         if self.done or self.last_progress is None:
             return np.inf
-        K.earliest_deadlines(self.round_block, self.deadline, self.layout.aggregators, self._first)
-        d = np.maximum(self._first, self.last_heard + self.base_rto)
-        for a in np.flatnonzero((self.probe >= 0) | self.loss_confirmed):
-            # a probe out: its own timer; a loss confirmed: the expired columns, quiet or not
-            d[a] = self.deadline[self.probe[a]] if self.probe[a] >= 0 else self._first[a]
-        return min(float(d.min()), self.last_progress + self.cfg.timeout)
+        t = K.next_timer(self.round_block, self.deadline, self.layout.aggregators, self.last_heard,
+                         self.base_rto, self.probe, self.loss_confirmed)
+        return min(t, self.last_progress + self.cfg.timeout)
 
     deadline_at = property(timer)
 

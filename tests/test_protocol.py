@@ -72,8 +72,9 @@ def test_semantic_checks():
     bad = ent.copy(); bad["next"][0] = 0          # next must be after block
     with pytest.raises(P.ProtocolError, match="range"):
         P.decode(P.encode(h, bad, data))
-    scratch = np.zeros(8, np.int64)
-    assert P.repeats_a_slot(np.array([3, 1, 3]), scratch) and not P.repeats_a_slot(np.array([3, 1, 2]), scratch)
+    bad = ent.copy(); bad["slot"][1] = bad["slot"][0]   # a slot named twice in one datagram
+    with pytest.raises(P.ProtocolError, match="range"):
+        P.decode(P.encode(h, bad, data))
     bad = ent.copy(); bad["flags"][1] = 0x80
     with pytest.raises(P.ProtocolError, match="flags"):
         P.decode(P.encode(h, bad, data))
