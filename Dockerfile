@@ -19,7 +19,9 @@ RUN extras=switch; if [ "$WITH_TORCH" = 1 ]; then extras=switch,torch; fi \
     else \
         /opt/zerosum/bin/pip install "/src[$extras]"; \
     fi \
- && rm -rf /wheelhouse /root/.cache
+ && rm -rf /wheelhouse /root/.cache \
+ && /opt/zerosum/bin/python -c "from zerosum.warmup import warm_up; warm_up()"
+# (the last step compiles the kernels into numba's cache inside the image)
 ENV PATH=/opt/zerosum/bin:$PATH
 COPY testbed/entrypoint.sh /usr/local/bin/zerosum-testbed
 ENTRYPOINT ["zerosum-testbed"]

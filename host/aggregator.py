@@ -7,6 +7,7 @@ import time
 
 from . import protocol as P
 from .aggregator_machine import AggregatorMachine
+from .warmup import warm_up
 from .udp import LossHook, open_socket, parse_address
 
 log = logging.getLogger("zerosum.aggregator")
@@ -17,6 +18,7 @@ class AggregatorServer:
     def __init__(self, workers: int, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
                  slots: int = 2048, loss: float = 0.0, seed: int | None = None):
         self.address = parse_address(listen)
+        warm_up()     # compile the kernels before any worker can be waiting for this aggregator
         # Every worker may have a datagram in flight for every slot: size the buffer for all of them.
         per_slot = P.ENTRY_SIZE + 256 * P.WIRE_VALUE.itemsize
         want = max(8 << 20, 2 * workers * slots * per_slot)

@@ -16,6 +16,7 @@ from .errors import ZeroSumError
 from .layout import Layout
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
+from .warmup import warm_up
 
 FLUSH_EVERY = 16   # datagrams processed before sending what is ready, even if more are queued
 
@@ -90,6 +91,7 @@ class Worker:
     def open(self) -> None:
         if self.sock is not None:
             return
+        warm_up()     # compile the kernels before the join barrier, not during the first allreduce
         # Results arrive in bursts of up to one datagram per group of slots from every aggregator.
         self.sock, _ = open_socket(self.bind, rcvbuf=16 << 20)
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
