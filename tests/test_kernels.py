@@ -1,0 +1,495 @@
+"""The compiled kernels against independent numpy computations.
+
+- the block scan (kernels.scan_blocks through blocks.scan): non-zero blocks and frexp exponents on
+  random geometries, odd block sizes and unaligned buffers (both the 64-bit OR path and the int32
+  fallback), -0.0, subnormals, int32, and NaN/inf refused naming the first bad block;
+- the per-value loops: quantising (x * 2**s, rounded half to even) and dequantising
+  (float32(sum) * 2**s / divisor) for every power-of-two shift in and beyond float32's exponent range,
+  bit for bit against np.ldexp and against exact float64 arithmetic;
+- the whole machine path (netsim) for worlds up to 16 and odd block sizes, against reference_allreduce;
+- NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker.
+"""
+import socket
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from netsim import run
+from zerosum import kernels as K
+from zerosum import protocol as P
+from zerosum.aggregator_machine import AggregatorMachine
+from zerosum.blocks import scan
+from zerosum.fixedpoint import dequantize, precision_bits, quantize, scale_rows
+from zerosum.reference import reference_allreduce
+
+F32_MAX_BITS = 0x7F7FFFFF
+SHIFTS = range(-180, 181)     # every shift a block can need (precision 24..31, exponents -148..128) and more
+
+
+# -- test data --------------------------------------------------------------------------------------------
+
+def float_values(rng, n):
+    """float32 values of every kind: zeros of both signs, subnormals, normals of any exponent (up to the
+    largest float32), and ordinary magnitudes, with random signs."""
+    kind = rng.integers(0, 6, n)
+    bits = np.zeros(n, np.uint32)
+    bits[kind == 1] = 0x80000000                                                     # -0.0
+    bits[kind == 2] = rng.integers(1, 0x800000, n, dtype=np.uint32)[kind == 2]        # subnormal
+    bits[kind == 3] = rng.integers(0x800000, F32_MAX_BITS + 1, n, dtype=np.uint32)[kind == 3]  # any normal
+    bits[kind == 4] = F32_MAX_BITS                                                    # max float32
+    bits[kind == 5] = np.float32(rng.standard_normal(n)).view(np.uint32)[kind == 5]   # ordinary
+    signs = rng.integers(0, 2, n, dtype=np.uint32) << np.uint32(31)
+    bits[kind >= 2] |= signs[kind >= 2]
+    return bits.view(np.float32)
+
+
+def block_data(rng, n, block_size, dtype, density):
+    """A flat array with about `density` of its blocks non-zero; some "zero" blocks hold only -0.0."""
+    if dtype == np.int32:
+        x = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+        x[rng.random(n) < 0.5] = 0
+        x[rng.random(n) < 0.05] = np.int32(-2**31)
+    else:
+        x = float_values(rng, n)
+    nblocks = -(-n // block_size)
+    live = np.repeat(rng.random(nblocks) < density, block_size)[:n]
+    negzero = np.repeat(rng.random(nblocks) < 0.5, block_size)[:n]
+    if dtype == np.int32:
+        x[~live] = 0
+    else:
+        x[~live] = np.where(negzero[~live], np.float32(-0.0), np.float32(0.0))
+    return x
+
+
+def placed(x, offset):
+    """A copy of x starting `offset` elements into a fresh (8-byte aligned) buffer."""
+    buf = np.zeros(x.size + offset, x.dtype)
+    view = buf[offset:]
+    view[...] = x
+    return view
+
+
+def numpy_scan(flat, block_size):
+    """(blocks, exponents, first bad block or -1) computed with plain numpy in float64."""
+    n = flat.size
+    nblocks = -(-n // block_size)
+    padded = np.zeros(nblocks * block_size, flat.dtype)
+    padded[:n] = flat
+    rows = padded.reshape(nblocks, block_size)
+    if flat.dtype == np.int32:
+        live = np.flatnonzero((rows != 0).any(axis=1))
+        return live, np.full(len(live), P.INT_EXP), -1
+    with np.errstate(invalid="ignore"):           # signalling NaNs
+        maxabs = np.abs(rows.astype(np.float64)).max(axis=1) if nblocks else np.zeros(0)
+    bad = np.flatnonzero(~np.isfinite(maxabs))
+    first_bad = int(bad[0]) if len(bad) else -1
+    stop = first_bad if first_bad >= 0 else nblocks
+    live = np.flatnonzero(maxabs[:stop] > 0)
+    _, exps = np.frexp(maxabs[live])
+    return live, exps, first_bad
+
+
+def kernel_scan(flat, block_size, use_words):
+    """kernels.scan_blocks called directly, with or without the uint64 view (the OR path)."""
+    nblocks = -(-flat.size // block_size)
+    blocks = np.full(nblocks, -1, np.int64)
+    exps = np.full(nblocks, -1, np.int32)
+    bits = flat.view(np.int32)
+    words = bits.view(np.uint64) if use_words else np.zeros(0, np.uint64)
+    count, bad = K.scan_blocks(bits, words, block_size, flat.dtype == np.int32, blocks, exps)
+    return blocks[:count], exps[:count], bad
+
+
+def uses_or_path(flat, block_size):
+    """Whether blocks.scan takes the 64-bit OR path for this array (its documented condition)."""
+    return block_size % 2 == 0 and flat.size % 2 == 0 and flat.ctypes.data % 8 == 0
+
+
+# -- the block scan -----------------------------------------------------------------------------------------
+
+BLOCK_SIZES = [1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 64, 255, 256]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 3000), block_size=st.sampled_from(BLOCK_SIZES), offset=st.integers(0, 1),
+       int_data=st.booleans(), density=st.sampled_from([0.0, 0.05, 0.5, 1.0]), seed=st.integers(0, 2**32 - 1))
+def test_scan_matches_numpy(n, block_size, offset, int_data, density, seed):
+    rng = np.random.default_rng(seed)
+    x = placed(block_data(rng, n, block_size, np.int32 if int_data else np.float32, density), offset)
+    want_blocks, want_exps, bad = numpy_scan(x, block_size)
+    assert bad == -1
+    event(f"OR path: {uses_or_path(x, block_size)}")
+    blocks, exps = scan(x, block_size)
+    assert blocks.dtype == np.int64 and exps.dtype == np.int32
+    assert np.array_equal(blocks, want_blocks) and np.array_equal(exps, want_exps)
+    # both code paths of the kernel, whatever blocks.scan chose
+    paths = [False] + ([True] if uses_or_path(x, block_size) else [])
+    for use_words in paths:
+        b, e, bad = kernel_scan(x, block_size, use_words)
+        assert bad == -1 and np.array_equal(b, want_blocks) and np.array_equal(e, want_exps)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("block_size", [2, 3, 8, 64])
+def test_scan_takes_both_paths_and_agrees(offset, block_size):
+    """An 8-byte aligned array with an even block size and length takes the OR path; the same data one
+    float32 further into its buffer does not; both give numpy's answer."""
+    rng = np.random.default_rng(block_size)
+    n = block_size * 50
+    x = placed(block_data(rng, n, block_size, np.float32, 0.3), offset)
+    assert uses_or_path(x, block_size) == (offset == 0 and block_size % 2 == 0)
+    want_blocks, want_exps, _ = numpy_scan(x, block_size)
+    blocks, exps = scan(x, block_size)
+    assert np.array_equal(blocks, want_blocks) and np.array_equal(exps, want_exps)
+
+
+@pytest.mark.parametrize("use_words", [False, True])
+def test_scan_sign_bits_and_single_bits(use_words):
+    """-0.0 in either half of a 64-bit word counts as zero, the smallest subnormal in either half does
+    not; for int32 data a value with only the sign bit set is non-zero."""
+    B = 4
+    neg0 = np.float32(-0.0)
+    tiny = np.uint32(1).view(np.float32)          # 2**-149
+    x = np.zeros(6 * B, np.float32)
+    x[0:4] = neg0                                 # block 0: -0.0 everywhere
+    x[5] = tiny                                   # block 1: smallest subnormal in a high half
+    x[8] = -tiny                                  # block 2: in a low half, negative
+    x[15] = np.float32(-np.finfo(np.float32).max)  # block 3: the largest magnitude, last element
+    x[16:20] = [neg0, 0, neg0, 0]                  # block 4: zeros of both signs
+    x[23] = np.float32(2.0 ** -126)                # block 5: the smallest normal
+    b, e, bad = kernel_scan(x, B, use_words)
+    assert bad == -1
+    assert list(b) == [1, 2, 3, 5]
+    assert list(e) == [-148, -148, 128, -125]
+    assert np.array_equal(e, np.frexp(np.abs(x.astype(np.float64)).reshape(-1, B).max(axis=1))[1][b])
+    ints = np.zeros(4 * B, np.int32)
+    ints[1] = np.int32(-2**31)                    # only the sign bit: non-zero for int32
+    ints[14] = 1
+    b, e, bad = kernel_scan(ints, B, use_words)
+    assert list(b) == [0, 3] and list(e) == [P.INT_EXP] * 2 and bad == -1
+
+
+def test_scan_every_exponent():
+    """One block per float32 exponent (subnormal bit lengths included), largest magnitude anywhere."""
+    rng = np.random.default_rng(0)
+    B = 6
+    tops = np.concatenate([np.uint32(1) << np.arange(23, dtype=np.uint32),          # subnormals
+                           (np.arange(1, 255, dtype=np.uint32) << np.uint32(23))
+                           | rng.integers(0, 1 << 23, 254, dtype=np.uint32)])      # every normal exponent
+    x = np.zeros((len(tops), B), np.float32)
+    for i, top in enumerate(tops):
+        m = top.view(np.float32)
+        x[i] = m * rng.random(B).astype(np.float32) * np.float32(0.5)    # smaller values...
+        x[i, rng.integers(B)] = -m if i % 2 else m                       # ...and the maximum
+    for offset in (0, 1):
+        flat = placed(x.reshape(-1), offset)
+        blocks, exps = scan(flat, B)
+        want_blocks, want_exps, _ = numpy_scan(flat, B)
+        assert np.array_equal(blocks, np.arange(len(tops))) and np.array_equal(blocks, want_blocks)
+        assert np.array_equal(exps, want_exps)
+        assert exps.min() == -148 and exps.max() == 128
+
+
+NAN_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000]   # NaNs, +inf, -inf
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 2000), block_size=st.sampled_from(BLOCK_SIZES), offset=st.integers(0, 1),
+       bad_bits=st.lists(st.sampled_from(NAN_BITS), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_nan_and_inf_name_the_first_bad_block(n, block_size, offset, bad_bits, seed):
+    rng = np.random.default_rng(seed)
+    x = block_data(rng, n, block_size, np.float32, 0.3)
+    where = rng.integers(0, n, len(bad_bits))
+    x.view(np.uint32)[where] = bad_bits
+    x = placed(x, offset)
+    first = int(where.min()) // block_size
+    assert numpy_scan(x, block_size)[2] == first
+    lo, hi = first * block_size, (first + 1) * block_size - 1
+    with pytest.raises(ValueError, match=rf"NaN or infinite values \(first in block {first}, elements {lo}\.\.{hi}\)"):
+        scan(x, block_size)
+    for use_words in [False] + ([True] if uses_or_path(x, block_size) else []):
+        assert kernel_scan(x, block_size, use_words)[2] == first
+
+
+# -- quantising and dequantising: every power of two -------------------------------------------------------
+
+def value_pool():
+    """float32 values for the scaling tests: specials, halfway cases, every exponent, random bits."""
+    rng = np.random.default_rng(1)
+    f = np.finfo(np.float32)
+    special = np.array([0.0, -0.0, 0.5, 1.5, 2.5, 3.5, -2.5, -0.5, 1.0, -1.0, f.max, -f.max, f.tiny, -f.tiny,
+                        np.nextafter(f.tiny, 0), 2.0 ** -149, -(2.0 ** -149), 2.0 ** 127, 2.0 ** -126,
+                        np.nextafter(np.float32(1.0), np.float32(2.0)),
+                        np.nextafter(np.float32(1.0), np.float32(0.0))], np.float32)
+    every_exp = (np.arange(0, 255, dtype=np.uint32) << np.uint32(23)) | rng.integers(0, 1 << 23, 255,
+                                                                                       dtype=np.uint32)
+    odd = (np.arange(1, 255, dtype=np.uint32) << np.uint32(23)) | np.uint32(1)   # the lowest mantissa bit set
+    randbits = rng.integers(0, F32_MAX_BITS + 1, 600, dtype=np.uint32)
+    signs = rng.integers(0, 2, 255 + 254 + 600, dtype=np.uint32) << np.uint32(31)
+    rest = np.concatenate([every_exp, odd, randbits]) | signs
+    return np.concatenate([special, rest.view(np.float32)])
+
+
+POOL = value_pool()
+POOL64 = POOL.astype(np.float64)
+
+
+def from_wire(words):
+    """The kernels' big-endian uint32 words as int32 values."""
+    return words.byteswap().view(np.int32)
+
+
+def to_wire(values):
+    """int32 values as the big-endian words a datagram holds, read as native uint32."""
+    return np.frombuffer(np.asarray(values, np.int32).astype(">i4").tobytes(), np.uint32).copy()
+
+
+def test_quantize_loop_every_shift():
+    """_quantize_swapped(x, s) == rint(x * 2**s): the exact float64 product, rounded half to even, and
+    np.rint(np.ldexp(float32 x, s)) wherever that product is a normal float32 - for every shift, on
+    both of the kernel's paths (float32 for -126..127, float64 beyond)."""
+    checked = 0
+    for s in SHIFTS:
+        exact = POOL64 * np.ldexp(1.0, s)         # exact: 24-bit mantissas, far inside float64's range
+        x = POOL[np.abs(exact) < 2.0 ** 31]       # what fits int32 (all a quantised block can hold)
+        exact = exact[np.abs(exact) < 2.0 ** 31]
+        want = np.rint(exact).astype(np.int32)
+        base = 3
+        src = np.concatenate([np.full(base, np.float32(7.0)), x])
+        words = np.full(len(x) + 2, 0xDEADBEEF, np.uint32)
+        K._quantize_swapped(src, base, len(x), s, words)
+        got = from_wire(words[: len(x)])
+        assert np.array_equal(got, want), f"shift {s}: {x[got != want][:5]} -> {got[got != want][:5]}"
+        assert (words[len(x):] == 0xDEADBEEF).all()          # nothing written past count
+        with np.errstate(over="ignore", under="ignore"):
+            f32 = np.ldexp(x, np.int32(s))
+        normal = np.abs(exact) >= 2.0 ** -126
+        assert np.array_equal(got[normal], np.rint(f32[normal]).astype(np.int32)), f"shift {s}"
+        assert (got[~normal] == 0).all()
+        checked += len(x)
+    assert checked > 100_000
+
+
+def test_quantize_halfway_cases_round_to_even():
+    x = np.array([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 1.25, 1.75], np.float32)
+    for s in (0, -100, -126, 127, 128, 147):    # both of the kernel's paths
+        scale = 2.0 ** s
+        src = (x.astype(np.float64) / scale).astype(np.float32)      # the same halves at another exponent
+        assert np.array_equal(src.astype(np.float64) * scale, x.astype(np.float64))
+        words = np.zeros(len(x), np.uint32)
+        K._quantize_swapped(src, 0, len(x), s, words)
+        assert list(from_wire(words)) == [0, 2, 2, 4, 0, -2, -2, 1, 2]
+
+
+SUMS = np.concatenate([
+    np.array([0, 1, -1, 2, 3, 2**24, 2**24 + 1, 2**24 + 3, -(2**24 + 1), 2**25 + 3, 2**31 - 1, -2**31,
+              -(2**31 - 1), 2**30 + 65, 12345678, -7], np.int64),
+    np.random.default_rng(2).integers(-2**31, 2**31, 400),
+    (np.random.default_rng(3).integers(-2**20, 2**20, 200) * 2 ** np.random.default_rng(4).integers(0, 11, 200)),
+]).astype(np.int32)
+
+
+@pytest.mark.parametrize("divisor", [1, 3, 16])
+def test_store_floats_every_shift(divisor):
+    """_store_floats(sum, s, d) == np.ldexp(float32(sum), s) / float32(d) bit for bit, and equals the
+    exact float64 product rounded once to float32 (then divided), for every shift."""
+    d32 = np.float32(divisor)
+    words = to_wire(SUMS)
+    s32 = SUMS.astype(np.float32)
+    for s in SHIFTS:
+        out = np.full(len(SUMS) + 5, np.float32(-9.0))
+        K._store_floats(words, len(SUMS), s, d32, out, 2)
+        got = out[2: 2 + len(SUMS)]
+        with np.errstate(over="ignore", under="ignore"):
+            want = np.ldexp(s32, np.int32(s)) / d32
+            exact = (s32.astype(np.float64) * np.ldexp(1.0, s)).astype(np.float32) / d32
+        assert got.dtype == np.float32
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+            f"shift {s}: {SUMS[got != want][:4]} -> {got[got != want][:4]}, want {want[got != want][:4]}"
+        assert np.array_equal(got.view(np.uint32), exact.view(np.uint32)), f"shift {s}"
+        assert (out[:2] == -9).all() and (out[2 + len(SUMS):] == -9).all()
+
+
+def test_int_loops_and_copy_are_byte_swaps():
+    v = SUMS
+    words = np.zeros(len(v), np.uint32)
+    K._copy_swapped(v.view(np.uint32), 0, len(v), words)
+    assert np.array_equal(words, to_wire(v))
+    out = np.zeros(len(v) + 1, np.int32)
+    K._store_ints(words, len(v), out, 1)
+    assert np.array_equal(out[1:], v) and out[0] == 0
+    acc = np.arange(len(v), dtype=np.int32)
+    K._add_swapped(words, acc)
+    assert np.array_equal(acc, (np.arange(len(v)) + v.astype(np.int64)).astype(np.int32))   # wraps as int32
+
+
+def test_scale_rows_is_exact_ldexp():
+    """fixedpoint.scale_rows == np.ldexp == the exact product rounded once, for every shift."""
+    shifts = np.array(list(SHIFTS))
+    rows = np.tile(POOL, (len(shifts), 1))
+    with np.errstate(over="ignore", under="ignore"):
+        got = scale_rows(rows, shifts)
+        want = np.ldexp(rows, shifts.astype(np.int32)[:, None])
+        exact = (rows.astype(np.float64) * np.ldexp(1.0, shifts)[:, None]).astype(np.float32)
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), exact.view(np.uint32))
+
+
+def test_quantize_at_two_to_the_127():
+    """Scaling by exactly 2**127 (the largest power of two a float32 holds, the one np.exp2 gets wrong on
+    some CPUs) and just beyond it: quantize gives the exact integers."""
+    for world in (1, 2, 3):
+        p = precision_bits(world)
+        for shift in (126, 127, 128, 150, p + 148):      # p + 148: a block whose maximum is 2**-149
+            e = p - shift
+            mags = np.array([2.0 ** (e - 1), 1.5 * 2.0 ** (e - 1), (1 - 2.0 ** -24) * 2.0 ** e,
+                             2.0 ** (e - 24) * 3, 2.0 ** -149], np.float64)
+            x = mags.astype(np.float32)
+            x = x[(x.astype(np.float64) < 2.0 ** e) & (x > 0)]
+            rows = np.stack([x, -x])
+            q = quantize(rows, np.array([e, e]), world)
+            want = np.rint(rows.astype(np.float64) * 2.0 ** shift).astype(np.int32)
+            assert np.array_equal(q, want), (world, shift)
+            assert np.all(np.abs(q) < 2 ** p)
+            words = np.zeros(len(x), np.uint32)
+            K._quantize_swapped(x, 0, len(x), np.int64(shift), words)
+            assert np.array_equal(from_wire(words), q[0])
+    x = np.array([[2.0 ** -97 * 1.5, (1 - 2.0 ** -24) * 2.0 ** -96]], np.float32)
+    assert list(quantize(x, np.array([-96]), 1)[0]) == [3 * 2**29, 2**31 - 2**7]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 16, 32])
+def test_kernels_follow_fixedpoint_for_every_exponent(world):
+    """For every exponent a float32 block can have, the kernels quantise as fixedpoint.quantize and
+    dequantise as fixedpoint.dequantize (the reference rule), bit for bit."""
+    p = precision_bits(world)
+    rng = np.random.default_rng(world)
+    for e in range(-148, 129):
+        x = POOL[(np.abs(POOL64) < 2.0 ** e)]
+        x = x[rng.permutation(len(x))[:64]]
+        q = quantize(x[None], np.array([e]), world)[0]
+        words = np.zeros(len(x), np.uint32)
+        K._quantize_swapped(x, 0, len(x), np.int64(p - e), words)
+        assert np.array_equal(from_wire(words), q), e
+        sums = (q.astype(np.int64) * world).clip(-2**31, 2**31 - 1).astype(np.int32)
+        with np.errstate(over="ignore"):
+            want = dequantize(sums[None], np.array([e]), world)[0]
+        out = np.zeros(len(x), np.float32)
+        K._store_floats(to_wire(sums), len(x), np.int64(e - p), np.float32(1), out, 0)
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), e
+
+
+# -- the machine path, worlds up to 16 and odd block sizes ---------------------------------------------------
+
+def machine_arrays(rng, world, n, block_size, density, dtype):
+    out = []
+    nblocks = -(-n // block_size)
+    for _ in range(world):
+        if dtype == np.int32:
+            x = rng.integers(-2**26, 2**26, n).astype(np.int32)
+        else:
+            # magnitudes spread over many exponents, a few blocks tiny (subnormal) or huge
+            scale = np.repeat(2.0 ** rng.integers(-20, 21, nblocks), block_size)[:n]
+            x = (rng.standard_normal(n) * scale).astype(np.float32)
+            x[rng.random(n) < 0.02] = np.float32(2.0 ** -140)
+            x[rng.random(n) < 0.01] = np.float32(3e37)
+        x[~np.repeat(rng.random(nblocks) < density, block_size)[:n]] = 0
+        out.append(x)
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=st.integers(1, 16), n=st.integers(0, 1500), block_size=st.sampled_from([1, 3, 5, 7, 13, 33, 255]),
+       density=st.sampled_from([0.05, 0.3, 1.0]), naggs=st.integers(1, 3), slots=st.integers(1, 9),
+       loss=st.sampled_from([0.0, 0.1]), int_data=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_machines_match_reference_up_to_world_16(world, n, block_size, density, naggs, slots, loss, int_data,
+                                                 seed):
+    rng = np.random.default_rng(seed)
+    dtype = np.int32 if int_data else np.float32
+    arrays = machine_arrays(rng, world, n, block_size, density, dtype)
+    aggs = [AggregatorMachine(1, world, slots=slots) for _ in range(naggs)]
+    outs, _ = run(arrays, aggs, block_size=block_size, loss=loss, dup=loss, reorder=0.3, seed=seed)
+    ref = reference_allreduce(arrays, block_size)
+    for o in outs:
+        assert o.dtype == dtype and o.shape == ref.shape
+        assert o.tobytes() == ref.tobytes()
+
+
+# -- NaN/inf never leave the worker ------------------------------------------------------------------------
+
+class RecordingAggregator:
+    """A real AggregatorServer on loopback in a thread, recording the type of every datagram it gets."""
+
+    def __init__(self, workers):
+        from zerosum.aggregator import AggregatorServer
+        self.server = AggregatorServer(workers, listen="127.0.0.1:0", slots=64)
+        self.types = []
+        machine = self.server.machine
+        inner = machine.receive
+
+        def receive(datagram, source):
+            self.types.append(datagram[1] if len(datagram) > 1 else -1)
+            return inner(datagram, source)
+
+        machine.receive = receive
+        self.stopping = False
+        self.thread = threading.Thread(target=self.server.serve, kwargs=dict(stop=lambda: self.stopping),
+                                       daemon=True)
+        self.thread.start()
+        host, port = self.server.address
+        self.address = f"{host}:{port}"
+
+    def data_datagrams(self):
+        return sum(t == P.DATA for t in list(self.types))
+
+    def close(self):
+        self.stopping = True
+        self.thread.join(5)
+        self.server.close()
+
+
+def test_nan_and_inf_are_refused_before_anything_is_sent():
+    import torch
+    import zerosum
+    agg = RecordingAggregator(1)
+    try:
+        with zerosum.Worker(0, 1, [agg.address], block_size=16, timeout=10.0) as w:
+            x = np.linspace(-1, 1, 16 * 40 + 5, dtype=np.float32)
+            bad = x.copy()
+            bad[16 * 39 + 3] = np.nan           # only the last full block is bad
+            bad_inf = x.copy()
+            bad_inf[16 * 40 + 1] = -np.inf      # in the short last block
+            sparse_bad = torch.sparse_coo_tensor(torch.tensor([[1, 7, 500]]), torch.tensor([1.0, np.inf, 2.0]),
+                                                 (600,), check_invariants=True)
+            attempts = [
+                ("block 39", lambda: w.allreduce(bad)),
+                ("block 40", lambda: w.allreduce(bad_inf)),
+                ("block 39", lambda: w.allreduce(bad, out=bad)),
+                ("block 39", lambda: w.allreduce(torch.from_numpy(bad.copy()))),
+                ("block 39", lambda: w.allreduce(torch.from_numpy(bad.reshape(5, 129)), average=True)),
+                (None, lambda: w.allreduce(sparse_bad)),
+                (None, lambda: w.allreduce_blocks([2, 9], np.stack([x[:16], bad[16 * 39: 16 * 40]]), 40)),
+            ]
+            joined = w.stats.datagrams_sent             # the JOINs
+            for where, attempt in attempts:
+                sent = w.stats.datagrams_sent
+                with pytest.raises(ValueError, match="NaN or infinite") as info:
+                    attempt()
+                if where:
+                    assert where in str(info.value)
+                assert w.stats.datagrams_sent == sent
+            w.gather_on_device = True       # torch's own detection on the tensor's device
+            with pytest.raises(ValueError, match="NaN or infinite values \\(first in block 39"):
+                w.allreduce(torch.from_numpy(bad.copy()))
+            w.gather_on_device = None
+            assert agg.data_datagrams() == 0
+            assert w.stats.allreduces == 0 and w.stats.datagrams_sent == joined
+            # the worker and the aggregator still work, and DATA would have been seen
+            got = w.allreduce(x)
+            assert got.tobytes() == reference_allreduce([x], 16).tobytes()
+            assert agg.data_datagrams() > 0
+    finally:
+        agg.close()
