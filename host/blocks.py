@@ -140,12 +140,23 @@ class BlockSource:
             raise ValueError(f"block rows must be a (len(blocks), block_size) array, got {rows.shape} "
                              f"for {len(blocks)} blocks")
         block_size = rows.shape[1]
-        blocks = np.asarray(blocks, np.int64)
+        blocks = np.asarray(blocks)
+        if blocks.ndim != 1 or (blocks.size and blocks.dtype.kind not in "iu"):
+            raise TypeError(f"block indices must be a 1-D array of integers, not {blocks.dtype} "
+                            f"of shape {blocks.shape}")
+        blocks = blocks.astype(np.int64)
         if len(blocks) and (blocks[0] < 0 or blocks[-1] >= nblocks or (np.diff(blocks) <= 0).any()):
             raise ValueError(f"block indices must be sorted, unique and within 0..{nblocks - 1}")
         if not 0 <= nblocks < MAX_BLOCKS:
             raise ValueError(f"a tensor of {nblocks} blocks is not supported")
-        live, exps = scan(rows, block_size)
+        try:
+            live, exps = scan(rows, block_size)
+        except ValueError:
+            bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
+            b = int(blocks[bad])
+            raise ValueError(f"tensor has NaN or infinite values (first in block {b}, elements "
+                             f"{b * block_size}..{(b + 1) * block_size - 1}); "
+                             f"fixed-point aggregation cannot carry them") from None
         return cls._of(rows.reshape(-1), blocks[live], exps, live, nblocks, block_size)
 
     @classmethod

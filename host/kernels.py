@@ -634,8 +634,11 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                     done[counts[0]] = s
                     counts[0] += 1
         elif r[PREV_EPOCH] == epoch and block == r[PREV_BLOCK]:
-            replies[1, counts[2]] = s
-            counts[2] += 1
+            # answered from the shadow copy, unless the round's RESULT still waits for the flush,
+            # which sends it to every worker (a reply now would overtake it and look like a loss)
+            if not r[PENDING]:
+                replies[1, counts[2]] = s
+                counts[2] += 1
         else:
             counts[3] += 1
     return OK

@@ -217,7 +217,7 @@ class Worker:
             raise ValueError(f"average=True needs float32 data, not {rows.dtype}")
         if rows.dtype not in (np.float32, np.int32):
             raise TypeError(f"allreduce supports float32 and int32 arrays, not {rows.dtype}")
-        source = BlockSource.compact(np.asarray(blocks, np.int64), rows, int(num_blocks))
+        source = BlockSource.compact(blocks, rows, int(num_blocks))
         sink = CollectedBlocks(rows.dtype, self.block_size, capacity=max(64, 2 * len(source.blocks)))
         self._reduce(source, sink, average)
         return sink.collected()

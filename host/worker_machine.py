@@ -263,6 +263,7 @@ class AllreduceMachine:
         n = K.take_expired(self.round_block, self._cols, self.layout.aggregators, self.deadline,
                            self.sent_at, self.rto, self._allow, self.cfg.max_rto, now)
         if n == 0:
+            self.loss_confirmed[:] = False     # nothing expired: no loss left to repair
             return []
         for a in range(self.layout.aggregators):
             if self._allow[a] == 1:
@@ -288,9 +289,12 @@ class AllreduceMachine:
             self.rto[pending] = np.minimum(self.rto[pending] * 2, self.cfg.max_rto)
             self.deadline[pending] = np.maximum(self.deadline[pending], now + self.rto[pending])
         elif self.round_block[p] == P.END or not np.isfinite(self.deadline[p]) or self.ready[p]:
-            # The probe completed its round: the aggregator had been missing it. A loss.
+            # The probe's round completed. A loss if other columns of this aggregator are still
+            # expired without a result; none when the probe merely crossed the RESULT of its round.
             self.probe[a] = -1
-            self.loss_confirmed[a] = True
+            cols = self.columns_of[a]
+            expired = (self.round_block[cols] != P.END) & ~self.ready[cols] & (self.deadline[cols] <= now)
+            self.loss_confirmed[a] = bool(expired.any())
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""

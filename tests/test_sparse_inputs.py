@@ -7,7 +7,7 @@
   Worker.allreduce returns a coalesced sparse tensor whose to_dense() is bit for bit the dense path's
   result.
 - A loss-free allreduce of a few MB retransmits nothing; and, with the pure machines, two orderings of
-  a probe and the RESULT it crosses that make a worker retransmit without any loss (xfail: a bug).
+  a probe and the RESULT it crosses, neither of which may make a worker retransmit (no loss).
 
 Each test starts its ranks once (processes are expensive); every rank runs a list of cases and
 returns what the test asserts on.
@@ -189,8 +189,6 @@ def test_nan_in_block_sparse_input_is_refused():
         BlockSource.compact(np.array([2, 9, 11]), rows, 40)
 
 
-@pytest.mark.xfail(strict=True, reason="BlockSource.compact reports the position of the bad row among the "
-                   "rows given (block 1, elements 16..31), not the tensor's block (9, elements 144..159)")
 def test_nan_in_block_sparse_input_names_the_tensor_block():
     from zerosum.blocks import BlockSource
     rows = np.ones((3, 16), np.float32)
@@ -199,8 +197,6 @@ def test_nan_in_block_sparse_input_names_the_tensor_block():
         BlockSource.compact(np.array([2, 9, 11]), rows, 40)
 
 
-@pytest.mark.xfail(strict=True, reason="Worker.allreduce_blocks casts block indices with np.asarray(blocks, "
-                   "np.int64): [0.5, 1.7] silently becomes [0, 1]")
 def test_non_integer_block_indices_are_refused():
     import zerosum
     from test_kernels import RecordingAggregator
@@ -295,16 +291,11 @@ def test_torch_sparse_coo_equals_the_dense_path():
 
 # -- a loss-free run retransmits nothing ---------------------------------------------------------------------
 
-# A probe (AllreduceMachine.poll) that crosses the RESULT of the round it probes is taken for a loss: the
-# probe's column completes, loss_confirmed is set, and every expired column is retransmitted at once -
-# at once when the aggregator answered the probe from its shadow copy before flushing the round's
-# RESULT (test_probe_answered_before_the_flush...), or later, without a probe, when a peer is slow in
-# a later round (test_probe_crossing_its_result...). Both happen in a loss-free run whenever ranks
-# start more than one retransmission timeout apart (CPU load, process start-up).
-PROBE_RACE = ("a probe whose column completes is taken for a loss even when the round's RESULT merely "
-              "crossed the probe (AllreduceMachine._probe_answered sets loss_confirmed, which then "
-              "retransmits every expired column; the aggregator answers a probe of a completed but "
-              "unflushed round from its shadow copy ahead of the flush)")
+# A probe (AllreduceMachine.poll) that crosses the RESULT of the round it probes is no loss: neither
+# when the aggregator sees the probe before it flushed the round's RESULT (it must not answer it from
+# the shadow copy ahead of the flush), nor when probe and RESULT cross on the way (the worker must not
+# keep a "loss confirmed" state that later retransmits without probing). Both orderings happen in a
+# loss-free run whenever ranks start more than one retransmission timeout apart.
 
 
 def _machines(world, block_size=4, n=64, timeout=100.0):
@@ -364,7 +355,6 @@ def _finish(agg, ms, now, active=None, until=np.inf):
     raise AssertionError("the machines did not finish")
 
 
-@pytest.mark.xfail(strict=True, reason=PROBE_RACE)
 def test_probe_answered_before_the_flush_is_not_a_loss():
     """Rank 1 starts after rank 0's timer expired: its bootstrap completes every round, and rank 0's
     probe reaches the aggregator before the aggregator flushes those rounds. Nothing was lost."""
@@ -384,7 +374,6 @@ def test_probe_answered_before_the_flush_is_not_a_loss():
     assert (m0.retransmitted, m1.retransmitted) == (0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=PROBE_RACE)
 def test_probe_crossing_its_result_leaves_no_confirmed_loss():
     """Rank 0's probe and the RESULT of the round it probes cross on the wire (the aggregator answers
     the probe from its shadow copy, as it should). Later rank 1 is slow for a while: rank 0 must
