@@ -1,8 +1,8 @@
-"""Splitting a flat tensor into fixed-size blocks and finding the non-zero ones.
+"""Tensors as blocks: what a worker contributes (BlockSource: its non-zero blocks, their exponents and
+where their values are) and where sums go (DenseResult, CollectedBlocks).
 
-Everything here is vectorised: one pass of max/min over a (blocks, block_size) view, no per-block
-Python. The last block may be short; it is handled as its own padded row so that the bulk of the
-tensor is never copied.
+The scan that finds non-zero blocks is one compiled pass (kernels.scan_blocks). BlockView and
+SparseBlocks are the per-block views the reference sum and the compressors use.
 """
 from __future__ import annotations
 

@@ -73,12 +73,6 @@ def put32(b, i, v):
 
 
 @njit(**JIT)
-def bswap32(v):
-    """A uint32 read from the wire in native (little-endian) order, as the big-endian value (or back)."""
-    return ((v & 0xFF) << 24) | ((v & 0xFF00) << 8) | ((v >> 8) & 0xFF00) | ((v >> 24) & 0xFF)
-
-
-@njit(**JIT)
 def put_header(b, pos, ptype, job, rank, world, epoch, tensor_blocks, block_size, entries):
     b[pos] = VERSION
     b[pos + 1] = ptype
@@ -247,6 +241,13 @@ def scan_blocks(bits, words, block_size, is_int, blocks_out, exps_out):
 _F32_LO, _F32_HI = -126, 127
 
 
+@njit(inline="always", **JIT)
+def _swap(q):
+    """A uint32 from native to network byte order or back (inlined, so loops around it vectorise)."""
+    return (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
+        ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+
+
 @njit(**JIT)
 def _quantize_swapped(src, base, count, shift, words):
     # Index slices from 0: with `base + v` numba must allow for negative indices, which stops LLVM
@@ -256,14 +257,12 @@ def _quantize_swapped(src, base, count, shift, words):
         scale = np.float32(math.ldexp(1.0, shift))
         for v in range(count):
             q = np.uint32(np.int32(np.rint(x[v] * scale)))
-            words[v] = (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
-                ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+            words[v] = _swap(q)
     else:
         scale64 = math.ldexp(1.0, shift)
         for v in range(count):
             q = np.uint32(np.int32(np.rint(np.float64(x[v]) * scale64)))
-            words[v] = (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
-                ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+            words[v] = _swap(q)
 
 
 @njit(**JIT)
@@ -271,8 +270,7 @@ def _copy_swapped(src, base, count, words):
     x = src[base: base + count]
     for v in range(count):
         q = np.uint32(x[v])
-        words[v] = (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
-            ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
+        words[v] = _swap(q)
 
 
 @njit(**JIT)
@@ -280,8 +278,7 @@ def _store_ints(words, count, out, dst):
     o = out[dst: dst + count]
     for v in range(count):
         w = words[v]
-        o[v] = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
-                        | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+        o[v] = np.int32(_swap(w))
 
 
 @njit(**JIT)
@@ -292,21 +289,18 @@ def _store_floats(words, count, shift, divisor, out, dst):
         if divisor == 1:
             for v in range(count):
                 w = words[v]
-                s = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
-                             | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+                s = np.int32(_swap(w))
                 o[v] = np.float32(s) * scale
         else:
             for v in range(count):
                 w = words[v]
-                s = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
-                             | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+                s = np.int32(_swap(w))
                 o[v] = (np.float32(s) * scale) / divisor
     else:
         scale64 = math.ldexp(1.0, shift)
         for v in range(count):
             w = words[v]
-            s = np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
-                         | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+            s = np.int32(_swap(w))
             o[v] = np.float32(np.float64(np.float32(s)) * scale64) / divisor
 
 
@@ -314,8 +308,7 @@ def _store_floats(words, count, shift, divisor, out, dst):
 def _add_swapped(words, acc):
     for v in range(acc.shape[0]):
         w = words[v]
-        acc[v] += np.int32((w << np.uint32(24)) | ((w & np.uint32(0xFF00)) << np.uint32(8))
-                           | ((w >> np.uint32(8)) & np.uint32(0xFF00)) | (w >> np.uint32(24)))
+        acc[v] += np.int32(_swap(w))
 
 
 @njit(**JIT)
