@@ -85,6 +85,13 @@ def put_header(b, pos, ptype, job, rank, world, epoch, tensor_blocks, block_size
     put16(b, pos + 18, entries)
 
 
+@njit(inline="always", **JIT)
+def read_entry(b, e):
+    """The entry header at offset e: (slot, has data, block, next, exp, next_exp)."""
+    return get16(b, e), get16(b, e + 2) != 0, get32(b, e + 4), get32(b, e + 8), get_s16(b, e + 12), \
+        get_s16(b, e + 14)
+
+
 @njit(**JIT)
 def put_entry(b, pos, slot, flags, block, nxt, exp, next_exp):
     put16(b, pos, slot)
@@ -418,13 +425,8 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     row = 0
     data0 = HDR + nent * ENT
     for i in range(nent):
-        e = HDR + i * ENT
-        c = get16(b, e) * aggregators + aggregator
-        has = get16(b, e + 2) != 0
-        block = get32(b, e + 4)
-        nxt = get32(b, e + 8)
-        exp = get_s16(b, e + 12)
-        nexp = get_s16(b, e + 14)
+        slot, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
+        c = slot * aggregators + aggregator
         at = data0 + row * B * 4
         if has:
             row += 1
@@ -573,13 +575,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
     row = 0
     data0 = HDR + nent * ENT
     for i in range(nent):
-        e = HDR + i * ENT
-        s = get16(b, e)
-        has = get16(b, e + 2) != 0
-        block = get32(b, e + 4)
-        nxt = get32(b, e + 8)
-        exp = get_s16(b, e + 12)
-        nexp = get_s16(b, e + 14)
+        s, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
         at = data0 + row * block_size * 4
         if has:
             row += 1
