@@ -249,7 +249,12 @@ def test_hook_keys_and_guards():
 def test_init_process_group_zerosum(world):
     res = spawn(backend_collectives, world, free_port(), {})
     total = sum(range(1, world + 1))
-    for t, ti, td, tm, b, _ in res:
+    for t, ti, td, tm, b, _, (is_sparse, sparse_sum, dense_sum) in res:
+        # a sparse tensor is summed through ZeroSum in place and stays sparse; its sum equals the
+        # dense path's bit for bit, and rows no rank touched stay zero
+        assert is_sparse and sparse_sum.tobytes() == dense_sum.tobytes()
+        assert np.count_nonzero(sparse_sum.any(axis=1)) == len({7} | {r * 100 for r in range(world)}
+                                                                 | {999 - r for r in range(world)})
         assert np.array_equal(t, np.arange(1000, dtype=np.float32) * total)
         assert np.array_equal(ti, np.full(300, sum(range(world)), np.int32))
         assert np.array_equal(td, np.full(5, float(total)))

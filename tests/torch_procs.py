@@ -117,10 +117,20 @@ def backend_collectives(rank, world, port, env):
     dist.all_reduce(tm, op=dist.ReduceOp.MAX)
     b = torch.full((4,), float(rank))
     dist.broadcast(b, src=1)
+    # sparse COO through ZeroSum, in place like gloo: an embedding gradient whose rows differ per rank
+    emb = torch.nn.Embedding(1000, 16, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(16000, dtype=torch.float32).reshape(1000, 16) / 1000)
+    emb(torch.tensor([rank * 100, 7, 999 - rank])).pow(2).sum().backward()
+    sparse = emb.weight.grad
+    dense_sum = sparse.to_dense()
+    dist.all_reduce(dense_sum)
+    dist.all_reduce(sparse)
     dist.barrier()
     name = pg.name() if hasattr(pg, "name") else ""
     dist.destroy_process_group()
-    return t.numpy(), ti.numpy(), td.numpy(), tm.numpy(), b.numpy(), name
+    return t.numpy(), ti.numpy(), td.numpy(), tm.numpy(), b.numpy(), name, \
+        (sparse.is_sparse, sparse.to_dense().numpy(), dense_sum.numpy())
 
 
 def _mlp(seed):
