@@ -1,4 +1,4 @@
-"""The software aggregator: the aggregator state machine behind a UDP socket."""
+"""The software aggregator: the aggregation service (one state machine per job) behind a UDP socket."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +6,7 @@ import socket
 import time
 
 from . import protocol as P
-from .aggregator_machine import AggregatorMachine
+from .aggregator_service import AggregatorService
 from .warmup import warm_up
 from .udp import LossHook, open_socket, parse_address
 
@@ -15,19 +15,29 @@ FLUSH_EVERY = 16
 
 
 class AggregatorServer:
-    def __init__(self, workers: int, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
-                 slots: int = 2048, loss: float = 0.0, seed: int | None = None):
+    """Serves any number of concurrent jobs from a pool of `slots` (see AggregatorService). `workers`
+    with `job` declares that job's world size up front (its JOINs must match); None declares nothing."""
+
+    def __init__(self, workers: int | None = None, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
+                 slots: int = 8192, loss: float = 0.0, seed: int | None = None, *, max_jobs: int = 16,
+                 min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0):
         self.address = parse_address(listen)
         warm_up()     # compile the kernels before any worker can be waiting for this aggregator
-        # Every worker may have a datagram in flight for every slot: size the buffer for all of them.
+        max_job_slots = min(slots, max_job_slots or 2048)
+        # Every worker of a job may have a datagram in flight for every slot of the job: size the buffer
+        # for the largest job (its declared size, or 4 workers) and fewer slots if the kernel gives less.
         per_slot = P.ENTRY_SIZE + 256 * P.WIRE_VALUE.itemsize
-        want = max(8 << 20, 2 * workers * slots * per_slot)
+        world = workers or 4
+        want = max(8 << 20, 2 * world * max_job_slots * per_slot)
         self.sock, got = open_socket(self.address, rcvbuf=want)
-        granted = max(1, min(slots, got // (workers * per_slot)))
-        if granted < slots:
+        granted = max(1, min(max_job_slots, got // (world * per_slot)))
+        if granted < max_job_slots:
             log.warning("receive buffer is %d bytes (raise net.core.rmem_max or run as root): "
-                        "granting %d slots instead of %d", got, granted, slots)
-        self.machine = AggregatorMachine(job, workers, slots=granted)
+                        "granting at most %d slots per job instead of %d", got, granted, max_job_slots)
+        self.service = AggregatorService(max(slots, granted), max_jobs=max_jobs,
+                                         min_job_slots=min(min_job_slots, granted), max_job_slots=granted,
+                                         job_idle=job_idle, declared={job: workers} if workers else None)
+        self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)
         self.address = self.sock.getsockname()
         self.datagrams_sent = 0
@@ -59,10 +69,13 @@ class AggregatorServer:
                 backlog += 1
                 last_data = time.monotonic()
                 if not self.loss.drop():
-                    self._send(machine.receive(view[:n], addr))
+                    self._send(machine.receive(view[:n], addr, last_data))
             if not n or backlog >= FLUSH_EVERY:
                 backlog = 0
                 self._send(machine.flush())
+            if time.monotonic() >= machine.timer():
+                for job in machine.expire(time.monotonic()):
+                    log.info("job %d ended: idle for %.1f s", job, machine.job_idle)
             if time.monotonic() >= next_stats:
                 log.info("counters: %s", self.counters_line())
                 next_stats = time.monotonic() + stats_interval
@@ -77,11 +90,16 @@ class AggregatorServer:
                     self.sock.sendto(data, dest)
                     sent += 1
                 except OSError:
-                    self.machine.count("send_errors")
+                    self.service.count("send_errors")
         self.datagrams_sent += sent
 
     def counters_line(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in sorted(self.machine.counters.items())) or "none"
+        """The totals, then each job's counters and slots."""
+        def line(counters):
+            return ", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "none"
+        jobs = "".join(f"; job {job} ({j.slots} slots, {j.machine.state.world} workers): "
+                       f"{line(dict(j.machine.counters))}" for job, j in sorted(self.service.jobs.items()))
+        return line(self.service.counters) + jobs
 
     def close(self) -> None:
         self.sock.close()

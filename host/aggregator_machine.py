@@ -31,7 +31,7 @@ from . import protocol as P
 COUNTERS = ("datagrams", "joins", "job_restarts", "rounds", "duplicates", "retransmissions_answered",
             "drop_short", "drop_version", "drop_type", "drop_length", "drop_flags", "drop_range",
             "drop_exponent", "drop_foreign_job", "drop_not_member", "drop_geometry", "drop_join_world",
-            "drop_join_block_size", "drop_stale", "drop_mismatch", "send_errors")
+            "drop_join_block_size", "drop_stale", "drop_mismatch", "send_errors", "leaves")
 C = {name: i for i, name in enumerate(COUNTERS)}
 _HEADER = struct.Struct(">BBHHHIIHH")
 
@@ -63,6 +63,7 @@ class Counters(Mapping):
 class Member:
     address: object
     nonce: int
+    left: bool = False    # sent LEAVE: its run is over (kept, so that its next JOIN restarts the job)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class JobState:
 
     @property
     def joined_bitmap(self) -> int:
-        return sum(1 << r for r in self.members)
+        return sum(1 << r for r, m in self.members.items() if not m.left)
 
     def allocate(self, block_size: int) -> None:
         """(Re)initialise the slot registers for a new set of workers."""
@@ -144,16 +145,18 @@ class AggregatorMachine:
         if job != s.job:
             self.count("drop_foreign_job")
             return []
-        if ptype == P.JOIN:
+        if ptype in (P.JOIN, P.LEAVE):
             if nent or n != P.PACKET_HEADER_SIZE:
                 self.count("drop_length")
                 return []
+            if ptype == P.LEAVE:
+                return self._leave(rank, epoch, source)
             return self._join(rank, world, epoch, block_size, source)
         if ptype != P.DATA:
             self.count("drop_type")
             return []
         member = s.members.get(rank)
-        if member is None or member.address != source:
+        if member is None or member.address != source or member.left:
             self.count("drop_not_member")
             return []
         if world != s.world or block_size != s.block_size:
@@ -190,8 +193,24 @@ class AggregatorMachine:
             self._used = 0
         s.members[rank] = Member(source, nonce)
         self.count("joins")
-        header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, 0, s.block_size, 0)
+        header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, P.FEATURE_LEAVE, s.block_size, 0)
         return [([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap)))]
+
+    def _leave(self, rank: int, nonce: int, source) -> list:
+        """A rank's run is over: forget it (only the registered address with its JOIN nonce may say so)."""
+        member = self.state.members.get(rank)
+        if member is None or member.address != source or member.nonce != nonce:
+            self.count("drop_not_member")
+            return []
+        if not member.left:
+            member.left = True
+            self.count("leaves")
+        return []
+
+    @property
+    def idle(self) -> bool:
+        """Every registered rank has left (or none joined yet)."""
+        return all(m.left for m in self.state.members.values())
 
     # -- the data path ------------------------------------------------------------------------------
     def _data(self, datagram, n, nent, epoch, tensor_blocks, rank, source) -> list[tuple[list, memoryview]]:

@@ -32,10 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     a = sub.add_parser("aggregator", help="run the software aggregator")
-    a.add_argument("--workers", type=_positive_int, required=True, help="number of workers in the job")
+    a.add_argument("--workers", type=_positive_int, default=None,
+                   help="declare job --job with this many workers (its JOINs must match); jobs are also "
+                        "created by their workers' JOINs")
     a.add_argument("--listen", default=f"0.0.0.0:{P.DEFAULT_PORT}", help="HOST:PORT to listen on")
-    a.add_argument("--job", type=int, default=1, help="job id to serve (others are dropped)")
-    a.add_argument("--slots", type=_positive_int, default=2048, help="aggregation slots granted to the job")
+    a.add_argument("--job", type=int, default=1, help="the job --workers declares")
+    a.add_argument("--slots", type=_positive_int, default=8192, help="the slot pool shared by all jobs")
+    a.add_argument("--max-jobs", type=_positive_int, default=16, help="jobs served at once (more are refused)")
+    a.add_argument("--min-job-slots", type=_positive_int, default=64,
+                   help="a job is refused when fewer slots than this are free")
+    a.add_argument("--max-job-slots", type=_positive_int, default=2048, help="most slots one job gets")
+    a.add_argument("--job-idle", type=float, default=60.0, metavar="SECONDS",
+                   help="a job silent this long ends and frees its slots (0: only when all ranks leave)")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", type=float, default=0.0, metavar="SECONDS", help="log counters this often")
@@ -113,9 +121,14 @@ def _aggregator(args) -> int:
     from .aggregator import AggregatorServer
     if not 0 <= args.job <= 0xFFFF:
         raise ValueError(f"--job must be 0..65535, got {args.job}")
-    if args.workers > P.MAX_WORLD:
+    if args.workers is not None and args.workers > P.MAX_WORLD:
         raise ValueError(f"--workers must be at most {P.MAX_WORLD}, got {args.workers}")
-    server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed)
+    if args.min_job_slots > min(args.max_job_slots, args.slots):
+        raise ValueError(f"--min-job-slots {args.min_job_slots} exceeds what one job may get "
+                         f"({min(args.max_job_slots, args.slots)})")
+    server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
+                              max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
+                              max_job_slots=args.max_job_slots, job_idle=args.job_idle)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address
@@ -124,8 +137,9 @@ def _aggregator(args) -> int:
         snapshot_on_signal(server)
         print(ANNOUNCE, f"{host}:{port}", flush=True)
     logging.getLogger("zerosum.aggregator").info(
-        "serving job %d for %d workers on %s:%d with %d slots", args.job, args.workers, host, port,
-        server.machine.state.slots)
+        "serving up to %d jobs on %s:%d from %d slots (at most %d per job)%s", args.max_jobs, host, port,
+        server.service.slots, server.service.max_job_slots,
+        f"; job {args.job} declared with {args.workers} workers" if args.workers else "")
     try:
         server.serve(stop=lambda: bool(stopping), stats_interval=args.stats, idle_exit=args.idle_exit)
     except KeyboardInterrupt:

@@ -11,3 +11,7 @@ class ZeroSumTimeout(ZeroSumError, TimeoutError):
 
 class ProtocolViolation(ZeroSumError):
     """A peer sent something that contradicts the protocol state (not merely a lost or late packet)."""
+
+
+class ZeroSumRefused(ZeroSumError):
+    """An aggregator refused to admit the job (it serves as many jobs or slots as it can)."""

@@ -61,12 +61,22 @@ def _die_with_parent() -> None:
 class LocalAggregator:
     """A software aggregator in its own process on 127.0.0.1; `stop()` ends it and returns its counters."""
 
-    def __init__(self, workers: int, *, listen: str = "127.0.0.1:0", job: int = 1, slots: int | None = None,
-                 loss: float = 0.0, seed: int | None = None):
-        cmd = [sys.executable, "-m", "zerosum", "aggregator", "--workers", str(workers), "--listen", listen,
-               "--job", str(job), "--loss", str(loss), "--announce"]
+    def __init__(self, workers: int | None, *, listen: str = "127.0.0.1:0", job: int = 1,
+                 slots: int | None = None, loss: float = 0.0, seed: int | None = None,
+                 max_job_slots: int | None = None, job_idle: float | None = None):
+        """workers and job declare a job (None: jobs only come from JOINs); with `slots` alone, the one
+        job gets them all (max_job_slots caps a job's share instead)."""
+        cmd = [sys.executable, "-m", "zerosum", "aggregator", "--listen", listen, "--job", str(job),
+               "--loss", str(loss), "--announce"]
+        if workers:
+            cmd += ["--workers", str(workers)]
         if slots:
-            cmd += ["--slots", str(slots)]
+            most = max_job_slots or slots
+            cmd += ["--slots", str(slots), "--max-job-slots", str(most), "--min-job-slots", str(min(64, most))]
+        elif max_job_slots:
+            cmd += ["--max-job-slots", str(max_job_slots)]
+        if job_idle is not None:
+            cmd += ["--job-idle", str(job_idle)]
         if seed is not None:
             cmd += ["--seed", str(seed)]
         self._counters: dict = {}

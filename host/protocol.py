@@ -21,8 +21,11 @@ JOIN_ACK = 2   # aggregator -> worker: bitmap of ranks joined so far, slots gran
 DATA = 3       # worker -> aggregator: one contribution per entry
 RESULT = 4     # aggregator -> workers: one completed round per entry
 STATUS = 5     # aggregator -> worker: a round is still waiting (answer to a duplicate contribution)
+LEAVE = 6      # worker -> aggregator: this rank's run of the job is over (epoch = its JOIN nonce)
+REFUSED = 7    # aggregator -> worker: the JOIN cannot be admitted (aggregator full)
 
-TYPE_NAMES = {JOIN: "JOIN", JOIN_ACK: "JOIN_ACK", DATA: "DATA", RESULT: "RESULT", STATUS: "STATUS"}
+TYPE_NAMES = {JOIN: "JOIN", JOIN_ACK: "JOIN_ACK", DATA: "DATA", RESULT: "RESULT", STATUS: "STATUS",
+              LEAVE: "LEAVE", REFUSED: "REFUSED"}
 
 # Entry flags.
 HAS_DATA = 0x0001
@@ -50,6 +53,11 @@ ENTRY_HEADER = np.dtype([
 ])
 WIRE_VALUE = np.dtype(">i4")
 JOIN_ACK_BODY = struct.Struct(">II")  # slots granted to this job, bitmap of joined ranks
+REFUSED_BODY = struct.Struct(">III")  # jobs served, slots in use, slots in all (why the JOIN was refused)
+# JOIN_ACK's tensor_blocks field (unused otherwise) carries what the aggregator understands beyond the
+# switch's subset: a switch leaves it 0, so workers send LEAVE only where it is understood.
+FEATURE_LEAVE = 0x1
+CONTROL_BODY = {JOIN: 0, JOIN_ACK: JOIN_ACK_BODY.size, LEAVE: 0, REFUSED: REFUSED_BODY.size}
 
 assert PACKET_HEADER.itemsize == 20 and ENTRY_HEADER.itemsize == 16
 PACKET_HEADER_SIZE = PACKET_HEADER.itemsize
@@ -170,9 +178,9 @@ def decode(buf, length: int | None = None) -> Datagram:
     if ptype not in TYPE_NAMES:
         raise ProtocolError("type", f"unknown packet type {ptype}")
     header = Header(ptype, job, rank, world, epoch, tblocks, bsize, nent)
-    if ptype in (JOIN, JOIN_ACK):
+    if ptype in CONTROL_BODY:
         body = bytes(mv[PACKET_HEADER_SIZE:])
-        expect = JOIN_ACK_BODY.size if ptype == JOIN_ACK else 0
+        expect = CONTROL_BODY[ptype]
         if nent or len(body) != expect:
             raise ProtocolError("length", f"{TYPE_NAMES[ptype]} must have no entries and a "
                                           f"{expect}-byte body, got {nent} entries, {len(body)} bytes")

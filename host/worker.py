@@ -12,7 +12,7 @@ from . import protocol as P
 from .aggregator_machine import new_nonce
 from . import tensors
 from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
-from .errors import ZeroSumError
+from .errors import ZeroSumError, ZeroSumRefused
 from .layout import Layout
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
@@ -79,6 +79,7 @@ class Worker:
         self.epoch = 0
         self.gather_on_device = gather_on_device
         self._rtt = None      # (srtt, rttvar) carried from one allreduce to the next
+        self._leave = None    # the LEAVE datagram, once joined
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def __enter__(self) -> "Worker":
@@ -106,8 +107,11 @@ class Worker:
 
     def close(self) -> None:
         if self.sock is not None:
+            if self._leave:    # end this rank's run: the aggregators free the job's slots once every rank left
+                self._send_all(self._leave)
             self.sock.close()
             self.sock = None
+            self._leave = None
 
     # -- I/O helpers --------------------------------------------------------------------------------
     def _send_all(self, datagrams) -> None:
@@ -156,11 +160,14 @@ class Worker:
                 got = self._recv(m.timer() - now)
                 if got is not None:
                     m.receive(got[0], got[1], time.monotonic())
+        except ZeroSumRefused:
+            raise
         except ZeroSumError as e:
             address = "%s:%d" % self.sock.getsockname()
             raise type(e)(f"{e} (a switch also needs its block size, 64, and this worker's address "
                           f"{address} in its membership table)" if "no answer" in str(e) else str(e)) from None
         self.slots = m.slots
+        self._leave = m.leave()
         # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
 
     # -- allreduce ----------------------------------------------------------------------------------

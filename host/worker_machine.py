@@ -26,7 +26,7 @@ import numpy as np
 from . import kernels as K
 from . import protocol as P
 from .blocks import BlockSource, CollectedBlocks, DenseResult
-from .errors import ProtocolViolation, ZeroSumTimeout
+from .errors import ProtocolViolation, ZeroSumRefused, ZeroSumTimeout
 from .fixedpoint import precision_bits
 from .layout import Layout
 
@@ -60,7 +60,9 @@ def parse_header(datagram) -> tuple | None:
 
 class JoinMachine:
     """Joining as a barrier: JOIN to every aggregator every JOIN_INTERVAL until each one's JOIN_ACK
-    bitmap has all `world` ranks; then `slots` is the number of slots every aggregator grants."""
+    bitmap has all `world` ranks; then `slots` is the number of slots every aggregator grants. A REFUSED
+    answer (the aggregator serves as many jobs as it can) raises ZeroSumRefused at once.
+    `leave()` is the LEAVE datagram that ends this rank's run of the job."""
 
     def __init__(self, config: WorkerConfig, aggregators: int, nonce: int, now: float):
         self.cfg, self.nonce = config, nonce
@@ -68,6 +70,7 @@ class JoinMachine:
         self.joined = [0] * aggregators
         self.heard = [False] * aggregators
         self.granted = [0] * aggregators
+        self.features = [0] * aggregators     # per aggregator, from its JOIN_ACK (P.FEATURE_*)
         self.started = now
         self.next_send = now
         self.join = P.encode(P.Header(P.JOIN, config.job, config.rank, config.world, nonce, 0,
@@ -76,6 +79,12 @@ class JoinMachine:
     @property
     def done(self) -> bool:
         return all(j == self.full for j in self.joined)
+
+    def leave(self) -> list[tuple[int, bytes]]:
+        """The LEAVE datagrams, to the aggregators that understand LEAVE (a switch does not)."""
+        leave = P.encode(P.Header(P.LEAVE, self.cfg.job, self.cfg.rank, self.cfg.world, self.nonce, 0,
+                                  self.cfg.block_size))
+        return [(a, leave) for a, f in enumerate(self.features) if f & P.FEATURE_LEAVE]
 
     @property
     def slots(self) -> int:
@@ -86,11 +95,19 @@ class JoinMachine:
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         h = parse_header(datagram)
+        if h is not None and h[0] == P.REFUSED and h[1] == self.cfg.job and h[3] == self.cfg.world \
+                and len(datagram) == P.PACKET_HEADER_SIZE + P.REFUSED_BODY.size:
+            jobs, used, total = P.REFUSED_BODY.unpack_from(datagram, P.PACKET_HEADER_SIZE)
+            name = (self.cfg.aggregator_names or [f"#{aggregator}"] * (aggregator + 1))[aggregator]
+            raise ZeroSumRefused(f"rank {self.cfg.rank}: aggregator {name} is full: {jobs} jobs, {used} of "
+                                 f"{total} slots in use; job {self.cfg.job} was refused (retry when a job "
+                                 f"ends, or start the aggregator with more --slots or --max-jobs)")
         if h is None or h[0] != P.JOIN_ACK or h[1] != self.cfg.job or h[4] != self.nonce:
             return
         if len(datagram) != P.PACKET_HEADER_SIZE + P.JOIN_ACK_BODY.size or h[7]:
             return
         slots, bitmap = P.JOIN_ACK_BODY.unpack_from(datagram, P.PACKET_HEADER_SIZE)
+        self.features[aggregator] = h[5]
         self.granted[aggregator] = slots
         self.joined[aggregator] |= bitmap
         self.heard[aggregator] = True

@@ -27,8 +27,8 @@ def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, 
     import zerosum
     try:
         with zerosum.Worker(rank, world, addresses, **kwargs) as w:
-            if exit_after_join:
-                return
+            if exit_after_join:     # die without a word (a clean close would send LEAVE)
+                os._exit(0)
             if kill_after is not None:     # die hard in the middle of the allreduce
                 threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
             results = [w.allreduce(sparse_tensor(rank, s, n, density, w.block_size, dtype)) for s in seeds]
@@ -41,7 +41,7 @@ def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(
                 hang_after=120, **kwargs):
     """Run `world` worker processes; return {rank: (status, payload, extra)} for the live ones.
 
-    dead: ranks that exit right after joining; killed: {rank: seconds} ranks SIGKILLed that long
+    dead: ranks that die right after joining (no LEAVE); killed: {rank: seconds} ranks SIGKILLed that long
     after joining (in the middle of their first allreduce).
     """
     killed = killed or {}

@@ -17,7 +17,7 @@ def test_help(cmd):
 
 
 @pytest.mark.parametrize("args, text", [
-    (["aggregator"], "--workers"),
+    (["aggregator", "--min-job-slots", "4096"], "exceeds what one job may get"),
     (["aggregator", "--workers", "x"], "not an integer"),
     (["aggregator", "--workers", "2", "--listen", "127.0.0.1:99999"], "bad port"),
     (["aggregator", "--workers", "40"], "at most 32"),

@@ -430,9 +430,9 @@ class RecordingAggregator:
         machine = self.server.machine
         inner = machine.receive
 
-        def receive(datagram, source):
+        def receive(datagram, source, *now):
             self.types.append(datagram[1] if len(datagram) > 1 else -1)
-            return inner(datagram, source)
+            return inner(datagram, source, *now)
 
         machine.receive = receive
         self.stopping = False

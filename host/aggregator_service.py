@@ -1,0 +1,172 @@
+"""One aggregator, many jobs: admission and slot quotas around the per-job state machines (no I/O).
+
+A job comes into being with its workers' first JOIN (job id, world size, block size), or is declared up
+front with its world size (then JOINs must match it). Each job gets a quota of the aggregator's slot
+pool when it is admitted: its fair share of the pool (the pool divided by the jobs served, this one
+included), at least `min_job_slots` and at most `max_job_slots`, taken from the slots still free. A JOIN
+that cannot be admitted (`max_jobs` served, or fewer than `min_job_slots` free) is answered with REFUSED,
+which the workers raise as an error ("aggregator full: N jobs, M slots in use"), not a timeout. A job
+ends, and its slots return to the pool, when all its ranks have sent LEAVE or when it has been silent
+for `job_idle` seconds; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
+a dead rank, a JOIN storm) never touches another job's slots.
+
+Counters: per job (`job_counters(job)`), and in all (`counters`), which add the ended jobs' counts and
+the service's own: jobs_started, jobs_ended, joins_refused, and drops of datagrams for no job
+(drop_foreign_job), JOINs whose world disagrees with their job's declaration (drop_join_world), and
+datagrams malformed before a job could be told (drop_short, drop_version, drop_type).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import protocol as P
+from .aggregator_machine import COUNTERS, AggregatorMachine
+
+SERVICE_COUNTERS = ("jobs_started", "jobs_ended", "joins_refused")
+_ACCEPTED = [COUNTERS.index(name) for name in ("datagrams", "joins", "leaves")]
+_HEADER = struct.Struct(">BBHHHIIHH")
+
+
+@dataclass
+class Job:
+    machine: AggregatorMachine
+    slots: int
+    last_heard: float
+
+
+class AggregatorService:
+    def __init__(self, slots: int = 8192, *, max_jobs: int = 16, min_job_slots: int = 64,
+                 max_job_slots: int = 2048, job_idle: float = 0.0, declared: dict[int, int] | None = None,
+                 max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM):
+        if not 1 <= min_job_slots <= max_job_slots <= 0xFFFF:
+            raise ValueError(f"need 1 <= min_job_slots <= max_job_slots <= 65535, got {min_job_slots} "
+                             f"and {max_job_slots}")
+        if slots < min_job_slots:
+            raise ValueError(f"a pool of {slots} slots cannot hold one job of at least {min_job_slots}")
+        self.slots, self.max_jobs, self.job_idle = slots, max_jobs, job_idle
+        self.min_job_slots, self.max_job_slots = min_job_slots, max_job_slots
+        self.declared = dict(declared or {})
+        for job, world in self.declared.items():
+            if not 0 <= job <= 0xFFFF or not 1 <= world <= P.MAX_WORLD:
+                raise ValueError(f"job {job} with {world} workers: job ids are 0..65535, worlds 1..{P.MAX_WORLD}")
+        self.max_block_size, self.max_datagram = max_block_size, max_datagram
+        self.jobs: dict[int, Job] = {}
+        self._ended = np.zeros(len(COUNTERS), np.int64)     # counters of the jobs that ended
+        self.service_counters = dict.fromkeys(SERVICE_COUNTERS, 0)
+        self._drops = dict.fromkeys(("drop_short", "drop_version", "drop_type", "drop_foreign_job",
+                                     "drop_join_world", "send_errors"), 0)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Count an event of the transport's (send_errors)."""
+        self._drops[name] += n
+
+    # -- queries ------------------------------------------------------------------------------------
+    @property
+    def slots_in_use(self) -> int:
+        return sum(j.slots for j in self.jobs.values())
+
+    @property
+    def completed(self) -> bool:
+        return any(j.machine.completed for j in self.jobs.values())
+
+    def job_counters(self, job: int) -> dict[str, int]:
+        return dict(self.jobs[job].machine.counters) if job in self.jobs else {}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        total = self._ended.copy()
+        for j in self.jobs.values():
+            total += j.machine.counters.array
+        out = {name: int(v) for name, v in zip(COUNTERS, total.tolist()) if v}
+        for name, v in (*self._drops.items(), *self.service_counters.items()):
+            if v:
+                out[name] = out.get(name, 0) + v
+        return out
+
+    def stats(self) -> dict:
+        """Everything a `zerosum stats` request shows: totals, the pool, and each job's counters."""
+        return {"slots": self.slots, "slots_in_use": self.slots_in_use, "counters": self.counters,
+                "jobs": {str(job): {"world": j.machine.state.world, "slots": j.slots,
+                                    "members": sorted(j.machine.state.members),
+                                    "counters": dict(j.machine.counters)} for job, j in self.jobs.items()}}
+
+    # -- events -------------------------------------------------------------------------------------
+    def receive(self, datagram, source, now: float = 0.0) -> list[tuple[list, memoryview]]:
+        n = len(datagram)
+        if n < P.PACKET_HEADER_SIZE:
+            self._drops["drop_short"] += 1
+            return []
+        version, ptype, job_id, rank, world, nonce, _, block_size, _ = _HEADER.unpack_from(datagram)
+        if version != P.VERSION:
+            self._drops["drop_version"] += 1
+            return []
+        if ptype not in P.TYPE_NAMES:
+            self._drops["drop_type"] += 1
+            return []
+        job = self.jobs.get(job_id)
+        if job is None:
+            if ptype != P.JOIN:
+                self._drops["drop_foreign_job"] += 1
+                return []
+            job, refusal = self._admit(job_id, world, block_size, now)
+            if job is None:
+                return [([source], refusal)] if refusal is not None else []
+        counts = job.machine.counters.array
+        accepted = counts[_ACCEPTED].sum()
+        out = job.machine.receive(datagram, source)
+        if counts[_ACCEPTED].sum() != accepted:
+            job.last_heard = now      # only a member's traffic keeps a job alive, not drops
+
+        if ptype == P.LEAVE and job.machine.idle:
+            self._end(job_id)
+        return out
+
+    def flush(self) -> list[tuple[list, memoryview]]:
+        out = []
+        for job in self.jobs.values():
+            out += job.machine.flush()
+        return out
+
+    def expire(self, now: float) -> list[int]:
+        """End the jobs silent for job_idle seconds (a dead job's slots return to the pool)."""
+        if not self.job_idle:
+            return []
+        gone = [job for job, j in self.jobs.items() if now - j.last_heard >= self.job_idle]
+        for job in gone:
+            self._end(job)
+        return gone
+
+    def timer(self) -> float:
+        """When `expire` next has work (inf without job_idle or jobs)."""
+        if not self.job_idle or not self.jobs:
+            return float("inf")
+        return min(j.last_heard for j in self.jobs.values()) + self.job_idle
+
+    # -- admission ----------------------------------------------------------------------------------
+    def _admit(self, job_id: int, world: int, block_size: int, now: float):
+        """A new job's machine, or (None, REFUSED datagram) when it cannot be served."""
+        declared = self.declared.get(job_id)
+        if declared is not None and world != declared or not 1 <= world <= P.MAX_WORLD:
+            self._drops["drop_join_world"] += 1
+            return None, None
+        free = self.slots - self.slots_in_use
+        share = self.slots // (len(self.jobs) + 1)
+        quota = min(free, self.max_job_slots, max(self.min_job_slots, share))
+        if len(self.jobs) >= self.max_jobs or quota < self.min_job_slots:
+            self.service_counters["joins_refused"] += 1
+            header = P.Header(P.REFUSED, job_id, P.AGGREGATOR_RANK, world, 0, 0, block_size, 0)
+            body = P.REFUSED_BODY.pack(len(self.jobs), self.slots_in_use, self.slots)
+            return None, P.encode(header, body=body)
+        machine = AggregatorMachine(job_id, world, slots=quota, max_block_size=self.max_block_size,
+                                    max_datagram=self.max_datagram)
+        self.jobs[job_id] = Job(machine, quota, now)
+        self.service_counters["jobs_started"] += 1
+        return self.jobs[job_id], None
+
+    def _end(self, job_id: int) -> None:
+        job = self.jobs.pop(job_id)
+        self._ended += job.machine.counters.array
+        self.service_counters["jobs_ended"] += 1

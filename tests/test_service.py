@@ -1,0 +1,133 @@
+"""One aggregator, many jobs: admission, quotas, LEAVE, idle expiry and isolation (AggregatorService),
+in memory and with real processes."""
+import threading
+
+import numpy as np
+import pytest
+
+from netsim import run
+from procs import Aggregator, run_workers
+from test_end_to_end import check
+from zerosum import protocol as P
+from zerosum.aggregator_service import AggregatorService
+from zerosum.errors import ZeroSumRefused
+from zerosum.reference import reference_allreduce
+from zerosum.worker_machine import JoinMachine, WorkerConfig
+
+
+def _join(service, job, world, block_size=4, now=0.0, ranks=None):
+    """JOIN every rank (twice, so all see the full bitmap); return the JoinMachines."""
+    joins = [JoinMachine(WorkerConfig(rank=r, world=world, job=job, block_size=block_size), 1, 100 + r, now)
+             for r in range(world)]
+    for t in (now, now + 1):
+        for r, m in enumerate(joins):
+            if ranks is not None and r not in ranks:
+                continue
+            for _, d in m.datagrams_to_send(t):
+                for _, reply in service.receive(d, (job, r), t):
+                    m.receive(0, bytes(reply), t)
+    return joins
+
+
+class JobView:
+    """One job of a service, as netsim drives an aggregator machine."""
+
+    def __init__(self, service, job):
+        self.service, self.job = service, job
+        self.state = type("S", (), {"job": job})()
+
+    def receive(self, data, source):
+        return self.service.receive(data, (self.job, source[1]))
+
+    def flush(self):
+        return self.service.flush()
+
+
+def test_jobs_get_fair_shares_and_a_full_aggregator_refuses_clearly():
+    s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128)
+    a = _join(s, 1, 2)
+    b = _join(s, 2, 3)
+    assert all(m.done for m in a + b) and a[0].slots == 128 and b[0].slots == 128   # min(max, 256 // n)
+    assert s.slots_in_use == 256
+    with pytest.raises(ZeroSumRefused, match=r"full: 2 jobs, 256 of 256 slots in use; job 3 was refused"):
+        _join(s, 3, 2)
+    assert s.counters["joins_refused"] == 1
+    # job 1 ends (both ranks LEAVE): its slots return and job 3 is admitted with them
+    for r, m in enumerate(a):
+        (_, leave), = m.leave()
+        s.receive(leave, (1, r), 5.0)
+    assert 1 not in s.jobs and s.slots_in_use == 128 and s.counters["jobs_ended"] == 1
+    c = _join(s, 3, 2)
+    assert c[0].done and c[0].slots == 128
+
+
+def test_a_leave_from_a_stranger_changes_nothing_and_idle_jobs_expire():
+    s = AggregatorService(slots=128, min_job_slots=64, max_job_slots=128, job_idle=10.0)
+    a = _join(s, 1, 2, now=0.0)
+    (_, forged), = a[0].leave()
+    s.receive(forged, ("elsewhere", 0), 2.0)           # wrong address: not the member's LEAVE
+    assert 1 in s.jobs and s.job_counters(1)["drop_not_member"] == 1
+    assert s.timer() == 11.0 and s.expire(10.0) == []
+    assert s.expire(11.0) == [1] and s.slots_in_use == 0 and s.counters["jobs_ended"] == 1
+    # the ended job's counters stay in the totals: 3 JOINs (rank 0 repeated its until rank 1 had joined)
+    assert s.counters["joins"] == 3
+
+
+def test_datagrams_for_no_job_and_declared_world_mismatch_are_counted_drops():
+    s = AggregatorService(slots=128, min_job_slots=64, declared={5: 3})
+    data = P.encode(P.Header(P.DATA, 9, 0, 2, 1, 4, 4, 0))
+    assert s.receive(data, "x") == [] and s.counters["drop_foreign_job"] == 1
+    assert s.receive(b"\x01", "x") == [] and s.counters["drop_short"] == 1
+    joins = _join(s, 5, 2)                # job 5 is declared with 3 workers: a world of 2 is not admitted
+    assert not any(m.done for m in joins) and 5 not in s.jobs and s.counters["drop_join_world"] == 4
+    assert all(m.done for m in _join(s, 5, 3))
+
+
+def test_three_jobs_at_once_sum_exactly_and_never_touch_each_other():
+    """Worlds 2, 3, 4 with block sizes 64, 256, 1024 through one service, interleaved with garbage,
+    a lossy fourth job's traffic and a job with a dead rank; every sum bit-identical to the reference."""
+    s = AggregatorService(slots=4096, min_job_slots=16, max_job_slots=64)
+    rng = np.random.default_rng(3)
+    specs = [(1, 2, 64), (2, 3, 256), (3, 4, 1024)]
+    # job 5: rank 1 never joins (dead); its slots stay taken but nobody else is affected
+    _join(s, 5, 2, ranks={0})
+    garbage = [bytes(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8)) for _ in range(50)]
+    for job, world, B in specs:
+        arrays = [(rng.standard_normal(B * 37 + 5) * (rng.random(B * 37 + 5) < 0.3)).astype(np.float32)
+                  for _ in range(world)]
+        for g in garbage[:10]:
+            s.receive(g, ("noise", 0))
+        outs, _ = run(arrays, [JobView(s, job)], block_size=B, loss=0.1, dup=0.1, reorder=0.3, seed=job)
+        ref = reference_allreduce(arrays, B)
+        assert all(o.tobytes() == ref.tobytes() for o in outs)
+    assert set(s.jobs) == {1, 2, 3, 5}
+    for job, world, _ in specs:
+        c = s.job_counters(job)
+        assert c["joins"] >= world and c["rounds"] > 0
+    assert s.job_counters(5).get("rounds", 0) == 0
+
+
+def test_jobs_run_concurrently_on_one_aggregator_process():
+    """Real processes: jobs 1 (2 workers, blocks of 64) and 2 (3 workers, 256) at the same time on one
+    aggregator started without any job declared, plus job 3 whose rank 1 dies; then job 4 runs on the
+    freed slots."""
+    agg = Aggregator(None, slots=256, max_job_slots=64, job_idle=2.0)
+    results = {}
+    try:
+        def job(j, world, B, **kw):
+            results[j] = run_workers(world, [agg.address], [j], 20_000, 0.3, job=j, block_size=B, **kw)
+        threads = [threading.Thread(target=job, args=(1, 2, 64)), threading.Thread(target=job, args=(2, 3, 256)),
+                   threading.Thread(target=job, args=(3, 2, 256), kwargs=dict(dead={1}, timeout=3.0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check(results[1], 2, [1], 20_000, 0.3, block_size=64)
+        check(results[2], 3, [2], 20_000, 0.3, block_size=256)
+        status, msg, _ = results[3][0]
+        assert status == "error" and "waiting for rank 1" in msg, msg
+        results[4] = run_workers(2, [agg.address], [4], 20_000, 0.3, job=4, block_size=64)
+        check(results[4], 2, [4], 20_000, 0.3, block_size=64)
+    finally:
+        counters = agg.stop()
+    assert counters["jobs_started"] >= 4 and counters["jobs_ended"] >= 3
