@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from zerosum.local import LocalAggregator
     ctx = mp.get_context("spawn")
-    agg = LocalAggregator(None, job_idle=5.0)
+    agg = LocalAggregator(None, max_job_slots=1024, job_idle=5.0)   # 5 jobs fit the default pool of 8192
     rows = []
     try:
         alone = {}
