@@ -10,6 +10,7 @@ ends, and its slots return to the pool, when all its ranks have sent LEAVE or wh
 for `job_idle` seconds; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
 a dead rank, a JOIN storm) never touches another job's slots.
 
+A STATS request (from any address: the counters are not secret) is answered with `stats()` as JSON.
 Counters: per job (`job_counters(job)`), and in all (`counters`), which add the ended jobs' counts and
 the service's own: jobs_started, jobs_ended, joins_refused, and drops of datagrams for no job
 (drop_foreign_job), JOINs whose world disagrees with their job's declaration (drop_join_world), and
@@ -17,6 +18,7 @@ datagrams malformed before a job could be told (drop_short, drop_version, drop_t
 """
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 
@@ -106,6 +108,12 @@ class AggregatorService:
         if ptype not in P.TYPE_NAMES:
             self._drops["drop_type"] += 1
             return []
+        if ptype == P.STATS:      # a request (replies are dropped): the counters, to the asker alone
+            if n != P.PACKET_HEADER_SIZE:
+                self._drops["drop_type"] += 1
+                return []
+            body = json.dumps(self.stats(), separators=(",", ":")).encode()[: P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE]
+            return [([source], P.encode(P.Header(P.STATS, 0, P.AGGREGATOR_RANK, 0), body=body))]
         job = self.jobs.get(job_id)
         if job is None:
             if ptype != P.JOIN:

@@ -5,6 +5,7 @@ import argparse
 import logging
 import signal
 import sys
+import time
 from .argtypes import positive_int as _positive_int, rate as _rate
 
 from . import protocol as P
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a job silent this long ends and frees its slots (0: only when all ranks leave)")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
-    a.add_argument("--stats", type=float, default=0.0, metavar="SECONDS", help="log counters this often")
+    a.add_argument("--stats", "--stats-interval", dest="stats", type=float, default=0.0, metavar="SECONDS",
+                   help="log the counters (in total and per job) this often")
     a.add_argument("--idle-exit", type=float, default=0.0, metavar="SECONDS",
                    help="exit once workers have been silent this long after some data arrived (0: never)")
     a.add_argument("--announce", action="store_true",
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at this worker")
     c.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")
     c.add_argument("--results", default="", help="directory for rank-N.json")
+    st = sub.add_parser("stats", help="ask a running aggregator for its counters (JSON on stdout)")
+    st.add_argument("address", metavar="HOST:PORT")
+    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     d = sub.add_parser("demo", help="the main job: aggregator + 4 workers on loopback, a few densities")
     bench_args(d, densities=[1.0, 0.1, 0.01], rounds=3, workers=[4])
     from .emulator.cli import add_parser as add_switch_parser
@@ -108,6 +113,8 @@ def main(argv=None) -> int:
             return run_check(args)
         if args.command == "switch":
             return args.handler(args)
+        if args.command == "stats":
+            return _stats(args)
         from .bench import run_from_args
         return run_from_args(args)
     except (ValueError, OSError) as e:
@@ -115,6 +122,29 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stats(args) -> int:
+    """One STATS request to a running aggregator; print its JSON answer."""
+    import json
+    import socket
+    from .udp import parse_address
+    address = parse_address(args.address)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(args.timeout)
+        s.sendto(P.encode(P.Header(P.STATS, 0, 0, 0)), address)
+        end = time.monotonic() + args.timeout
+        while True:
+            try:
+                data, source = s.recvfrom(P.MAX_DATAGRAM + 1)
+            except (socket.timeout, ConnectionRefusedError):
+                raise OSError(f"no answer from an aggregator at {args.address} within {args.timeout} s") from None
+            d = P.decode(data) if source == address else None
+            if d is not None and d.header.type == P.STATS:
+                print(json.dumps(json.loads(d.body), indent=1))
+                return 0
+            if time.monotonic() > end:
+                raise OSError(f"no answer from an aggregator at {args.address} within {args.timeout} s")
 
 
 def _aggregator(args) -> int:

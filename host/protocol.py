@@ -23,9 +23,10 @@ RESULT = 4     # aggregator -> workers: one completed round per entry
 STATUS = 5     # aggregator -> worker: a round is still waiting (answer to a duplicate contribution)
 LEAVE = 6      # worker -> aggregator: this rank's run of the job is over (epoch = its JOIN nonce)
 REFUSED = 7    # aggregator -> worker: the JOIN cannot be admitted (aggregator full)
+STATS = 8      # anyone -> aggregator: ask for its counters; aggregator -> asker: them, as a JSON body
 
 TYPE_NAMES = {JOIN: "JOIN", JOIN_ACK: "JOIN_ACK", DATA: "DATA", RESULT: "RESULT", STATUS: "STATUS",
-              LEAVE: "LEAVE", REFUSED: "REFUSED"}
+              LEAVE: "LEAVE", REFUSED: "REFUSED", STATS: "STATS"}
 
 # Entry flags.
 HAS_DATA = 0x0001
@@ -57,7 +58,8 @@ REFUSED_BODY = struct.Struct(">III")  # jobs served, slots in use, slots in all 
 # JOIN_ACK's tensor_blocks field (unused otherwise) carries what the aggregator understands beyond the
 # switch's subset: a switch leaves it 0, so workers send LEAVE only where it is understood.
 FEATURE_LEAVE = 0x1
-CONTROL_BODY = {JOIN: 0, JOIN_ACK: JOIN_ACK_BODY.size, LEAVE: 0, REFUSED: REFUSED_BODY.size}
+CONTROL_BODY = {JOIN: 0, JOIN_ACK: JOIN_ACK_BODY.size, LEAVE: 0, REFUSED: REFUSED_BODY.size,
+                STATS: None}   # None: any length (a request is empty, a reply is UTF-8 JSON)
 
 assert PACKET_HEADER.itemsize == 20 and ENTRY_HEADER.itemsize == 16
 PACKET_HEADER_SIZE = PACKET_HEADER.itemsize
@@ -181,7 +183,7 @@ def decode(buf, length: int | None = None) -> Datagram:
     if ptype in CONTROL_BODY:
         body = bytes(mv[PACKET_HEADER_SIZE:])
         expect = CONTROL_BODY[ptype]
-        if nent or len(body) != expect:
+        if nent or (expect is not None and len(body) != expect):
             raise ProtocolError("length", f"{TYPE_NAMES[ptype]} must have no entries and a "
                                           f"{expect}-byte body, got {nent} entries, {len(body)} bytes")
         return Datagram(header, entries_array(0), _EMPTY_ROWS, body)

@@ -131,3 +131,40 @@ def test_jobs_run_concurrently_on_one_aggregator_process():
     finally:
         counters = agg.stop()
     assert counters["jobs_started"] >= 4 and counters["jobs_ended"] >= 3
+
+
+def test_stats_request_answers_totals_and_every_job():
+    s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128)
+    _join(s, 4, 2)
+    request = P.encode(P.Header(P.STATS, 0, 0, 0))
+    (dest, reply), = s.receive(request, "asker")
+    d = P.decode(bytes(reply))
+    assert dest == ["asker"] and d.header.type == P.STATS
+    import json
+    stats = json.loads(d.body)
+    assert stats["slots"] == 256 and stats["slots_in_use"] == 128
+    assert stats["jobs"]["4"]["members"] == [0, 1] and stats["jobs"]["4"]["counters"]["joins"] == 3
+    assert stats["counters"]["jobs_started"] == 1
+
+
+def test_zerosum_stats_command_against_a_running_aggregator():
+    import json
+    import subprocess
+    import sys
+    import zerosum
+    agg = Aggregator(None)
+    try:
+        with zerosum.Worker(0, 1, [agg.address], job=5) as w:
+            w.allreduce(np.ones(1000, np.float32))
+            out = subprocess.run([sys.executable, "-m", "zerosum", "stats", agg.address], capture_output=True,
+                                 text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        assert stats["jobs"]["5"]["counters"]["rounds"] > 0 and stats["counters"]["jobs_started"] == 1
+    finally:
+        counters = agg.stop()
+    assert counters["leaves"] == 1 and counters["jobs_ended"] == 1     # the worker's LEAVE ended the job
+    from zerosum.udp import free_port
+    out = subprocess.run([sys.executable, "-m", "zerosum", "stats", f"127.0.0.1:{free_port(2)}", "--timeout", "0.3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no answer from an aggregator" in out.stderr
