@@ -20,7 +20,8 @@ class AggregatorServer:
 
     def __init__(self, workers: int | None = None, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
                  slots: int = 8192, loss: float = 0.0, seed: int | None = None, *, max_jobs: int = 16,
-                 min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0):
+                 min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0,
+                 key: bytes | None = None):
         self.address = parse_address(listen)
         warm_up()     # compile the kernels before any worker can be waiting for this aggregator
         max_job_slots = min(slots, max_job_slots or 2048)
@@ -36,7 +37,8 @@ class AggregatorServer:
                         "granting at most %d slots per job instead of %d", got, granted, max_job_slots)
         self.service = AggregatorService(max(slots, granted), max_jobs=max_jobs,
                                          min_job_slots=min(min_job_slots, granted), max_job_slots=granted,
-                                         job_idle=job_idle, declared={job: workers} if workers else None)
+                                         job_idle=job_idle, declared={job: workers} if workers else None,
+                                         key=key)
         self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)
         self.address = self.sock.getsockname()

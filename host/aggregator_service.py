@@ -10,6 +10,10 @@ ends, and its slots return to the pool, when all its ranks have sent LEAVE or wh
 for `job_idle` seconds; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
 a dead rank, a JOIN storm) never touches another job's slots.
 
+Admission: with a `key`, a JOIN must carry HMAC-SHA256(key, its header) (else drop_auth), and a nonce
+this rank has not used before unless it is the current one (else drop_replay), so nobody without the
+key can join as a rank or restart a job with a replayed JOIN. DATA is not authenticated (a switch
+could not check it per packet); it stays bound to the admitted rank's address and port.
 A STATS request (from any address: the counters are not secret) is answered with `stats()` as JSON.
 Counters: per job (`job_counters(job)`), and in all (`counters`), which add the ended jobs' counts and
 the service's own: jobs_started, jobs_ended, joins_refused, and drops of datagrams for no job
@@ -18,6 +22,8 @@ datagrams malformed before a job could be told (drop_short, drop_version, drop_t
 """
 from __future__ import annotations
 
+import collections
+import hmac
 import json
 import struct
 from dataclasses import dataclass
@@ -30,6 +36,7 @@ from .aggregator_machine import COUNTERS, AggregatorMachine
 SERVICE_COUNTERS = ("jobs_started", "jobs_ended", "joins_refused")
 _ACCEPTED = [COUNTERS.index(name) for name in ("datagrams", "joins", "leaves")]
 _HEADER = struct.Struct(">BBHHHIIHH")
+REPLAY_WINDOW = 64    # nonces remembered per (job, rank) when JOINs are authenticated
 
 
 @dataclass
@@ -42,7 +49,7 @@ class Job:
 class AggregatorService:
     def __init__(self, slots: int = 8192, *, max_jobs: int = 16, min_job_slots: int = 64,
                  max_job_slots: int = 2048, job_idle: float = 0.0, declared: dict[int, int] | None = None,
-                 max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM):
+                 max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM, key: bytes | None = None):
         if not 1 <= min_job_slots <= max_job_slots <= 0xFFFF:
             raise ValueError(f"need 1 <= min_job_slots <= max_job_slots <= 65535, got {min_job_slots} "
                              f"and {max_job_slots}")
@@ -55,11 +62,13 @@ class AggregatorService:
             if not 0 <= job <= 0xFFFF or not 1 <= world <= P.MAX_WORLD:
                 raise ValueError(f"job {job} with {world} workers: job ids are 0..65535, worlds 1..{P.MAX_WORLD}")
         self.max_block_size, self.max_datagram = max_block_size, max_datagram
+        self.key = key
+        self._nonces: dict[tuple[int, int], collections.deque] = {}   # (job, rank) -> nonces seen
         self.jobs: dict[int, Job] = {}
         self._ended = np.zeros(len(COUNTERS), np.int64)     # counters of the jobs that ended
         self.service_counters = dict.fromkeys(SERVICE_COUNTERS, 0)
         self._drops = dict.fromkeys(("drop_short", "drop_version", "drop_type", "drop_foreign_job",
-                                     "drop_join_world", "send_errors"), 0)
+                                     "drop_join_world", "drop_auth", "drop_replay", "send_errors"), 0)
 
     def count(self, name: str, n: int = 1) -> None:
         """Count an event of the transport's (send_errors)."""
@@ -114,6 +123,8 @@ class AggregatorService:
                 return []
             body = json.dumps(self.stats(), separators=(",", ":")).encode()[: P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE]
             return [([source], P.encode(P.Header(P.STATS, 0, P.AGGREGATOR_RANK, 0), body=body))]
+        if ptype == P.JOIN and self.key is not None and not self._admissible(datagram, job_id, rank, nonce):
+            return []
         job = self.jobs.get(job_id)
         if job is None:
             if ptype != P.JOIN:
@@ -154,6 +165,24 @@ class AggregatorService:
         return min(j.last_heard for j in self.jobs.values()) + self.job_idle
 
     # -- admission ----------------------------------------------------------------------------------
+    def _admissible(self, datagram, job_id: int, rank: int, nonce: int) -> bool:
+        """With a key: the JOIN's HMAC must be right, and its nonce not one this rank used before
+        (a replayed JOIN of an earlier run must not restart the job)."""
+        raw = bytes(datagram)
+        mac = raw[P.PACKET_HEADER_SIZE:]
+        if len(mac) != P.JOIN_MAC_SIZE or not hmac.compare_digest(mac, P.join_mac(self.key, raw)):
+            self._drops["drop_auth"] += 1
+            return False
+        seen = self._nonces.setdefault((job_id, rank), collections.deque(maxlen=REPLAY_WINDOW))
+        job = self.jobs.get(job_id)
+        member = job.machine.state.members.get(rank) if job is not None else None
+        if nonce in seen and (member is None or member.nonce != nonce):
+            self._drops["drop_replay"] += 1
+            return False
+        if nonce not in seen:
+            seen.append(nonce)
+        return True
+
     def _admit(self, job_id: int, world: int, block_size: int, now: float):
         """A new job's machine, or (None, REFUSED datagram) when it cannot be served."""
         declared = self.declared.get(job_id)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-job-slots", type=_positive_int, default=2048, help="most slots one job gets")
     a.add_argument("--job-idle", type=float, default=60.0, metavar="SECONDS",
                    help="a job silent this long ends and frees its slots (0: only when all ranks leave)")
+    a.add_argument("--key-file", metavar="FILE",
+                   help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY): only JOINs with "
+                        "its HMAC are admitted")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", "--stats-interval", dest="stats", type=float, default=0.0, metavar="SECONDS",
@@ -156,9 +159,15 @@ def _aggregator(args) -> int:
     if args.min_job_slots > min(args.max_job_slots, args.slots):
         raise ValueError(f"--min-job-slots {args.min_job_slots} exceeds what one job may get "
                          f"({min(args.max_job_slots, args.slots)})")
+    key = None
+    if args.key_file:
+        with open(args.key_file, "rb") as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"--key-file {args.key_file} is empty")
     server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
                               max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
-                              max_job_slots=args.max_job_slots, job_idle=args.job_idle)
+                              max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address

@@ -7,6 +7,8 @@ whole datagram parses with two `numpy.frombuffer` calls, and so that a P4 parser
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from typing import NamedTuple
 
@@ -58,8 +60,14 @@ REFUSED_BODY = struct.Struct(">III")  # jobs served, slots in use, slots in all 
 # JOIN_ACK's tensor_blocks field (unused otherwise) carries what the aggregator understands beyond the
 # switch's subset: a switch leaves it 0, so workers send LEAVE only where it is understood.
 FEATURE_LEAVE = 0x1
-CONTROL_BODY = {JOIN: 0, JOIN_ACK: JOIN_ACK_BODY.size, LEAVE: 0, REFUSED: REFUSED_BODY.size,
-                STATS: None}   # None: any length (a request is empty, a reply is UTF-8 JSON)
+JOIN_MAC_SIZE = 32    # a JOIN to an aggregator with a key carries HMAC-SHA256(key, its 20-byte header)
+CONTROL_BODY = {JOIN: (0, JOIN_MAC_SIZE), JOIN_ACK: (JOIN_ACK_BODY.size,), LEAVE: (0,),
+                REFUSED: (REFUSED_BODY.size,), STATS: None}   # None: any length (a reply is UTF-8 JSON)
+
+
+def join_mac(key: bytes, header: bytes) -> bytes:
+    """The HMAC a JOIN carries when workers and aggregator share a key (docs/protocol.md, "Admission")."""
+    return hmac.new(key, header[:PACKET_HEADER_SIZE], hashlib.sha256).digest()
 
 assert PACKET_HEADER.itemsize == 20 and ENTRY_HEADER.itemsize == 16
 PACKET_HEADER_SIZE = PACKET_HEADER.itemsize
@@ -183,9 +191,10 @@ def decode(buf, length: int | None = None) -> Datagram:
     if ptype in CONTROL_BODY:
         body = bytes(mv[PACKET_HEADER_SIZE:])
         expect = CONTROL_BODY[ptype]
-        if nent or (expect is not None and len(body) != expect):
-            raise ProtocolError("length", f"{TYPE_NAMES[ptype]} must have no entries and a "
-                                          f"{expect}-byte body, got {nent} entries, {len(body)} bytes")
+        if nent or (expect is not None and len(body) not in expect):
+            raise ProtocolError("length", f"{TYPE_NAMES[ptype]} must have no entries and a body of "
+                                          f"{' or '.join(map(str, expect))} bytes, got {nent} entries, "
+                                          f"{len(body)} bytes")
         return Datagram(header, entries_array(0), _EMPTY_ROWS, body)
     if bsize == 0:
         raise ProtocolError("length", "block_size is 0")

@@ -14,6 +14,7 @@ environment variables:
     ZEROSUM_JOB          job id (default: 1; with a local aggregator a random one)
     ZEROSUM_BLOCK_SIZE   values per block (default 256)
     ZEROSUM_TIMEOUT      seconds without progress before an allreduce fails (default 30)
+    ZEROSUM_KEY          a secret shared with the aggregators (their --key-file): authenticated JOINs
 """
 import os
 import random
@@ -196,7 +197,8 @@ def worker_from_env(store, rank: int, world_size: int):
         job = int(store.get("zerosum/job").decode())
     worker = Worker(rank, world_size, aggregators, job=job,
                     block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
-                    timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)))
+                    timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
+                    key=os.environ.get("ZEROSUM_KEY") or None)
     worker.open()
     return worker, local
 

@@ -41,6 +41,8 @@ class Worker:
     loss: simulated loss rate of this worker's datagrams in both directions (for experiments and tests).
     bind: the local "HOST:PORT" (a switch knows its workers by source address and port).
     max_entries: entries per datagram; a P4 switch takes 1 (with block_size 64, its compiled width).
+    key: a secret (bytes or str) shared with the aggregators: JOINs carry an HMAC over their fields, so
+        only holders of the key can join as a rank or restart the job (DATA is not authenticated).
     gather_on_device: for torch tensors, detect and gather non-zero blocks with torch on the tensor's
         device and copy only those to the host (default: for non-CPU tensors; True forces it on CPU).
     """
@@ -48,7 +50,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int, aggregators=("127.0.0.1:48879",), job: int = 1,
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int = P.MAX_DATAGRAM,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
-                 gather_on_device: bool | None = None, max_entries: int = 0xFFFF):
+                 gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -65,8 +67,12 @@ class Worker:
         self.aggregators = [parse_address(a) for a in aggregators]
         if not 1 <= max_entries <= 0xFFFF:
             raise ValueError(f"max_entries must be 1..65535, got {max_entries}")
+        if isinstance(key, str):
+            key = key.encode()
+        if key is not None and not key:
+            raise ValueError("key must not be empty (pass None for no key)")
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
-                                   max_entries=max_entries, block_size=block_size,
+                                   max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names)
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size

@@ -47,6 +47,7 @@ class WorkerConfig:
     timeout: float = 30.0    # no progress for this long: give up with an error naming who is missing
     block_size: int = 256
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
+    key: bytes | None = None   # shared with the aggregators: JOINs carry an HMAC (docs/protocol.md, "Admission")
 
 
 def parse_header(datagram) -> tuple | None:
@@ -75,6 +76,8 @@ class JoinMachine:
         self.next_send = now
         self.join = P.encode(P.Header(P.JOIN, config.job, config.rank, config.world, nonce, 0,
                                       config.block_size))
+        if config.key is not None:
+            self.join += P.join_mac(config.key, self.join)
 
     @property
     def done(self) -> bool:

@@ -168,3 +168,57 @@ def test_zerosum_stats_command_against_a_running_aggregator():
     out = subprocess.run([sys.executable, "-m", "zerosum", "stats", f"127.0.0.1:{free_port(2)}", "--timeout", "0.3"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "no answer from an aggregator" in out.stderr
+
+
+def _keyed_join(service, job, rank, world, key, nonce, source):
+    cfg = WorkerConfig(rank=rank, world=world, job=job, block_size=4, key=key)
+    m = JoinMachine(cfg, 1, nonce, 0.0)
+    (_, join), = m.datagrams_to_send(0.0)
+    return m, join, [bytes(r) for _, r in service.receive(join, source)]
+
+
+def test_with_a_key_only_authenticated_fresh_joins_are_admitted():
+    s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128, key=b"secret")
+    # no MAC, or a MAC made with another key: dropped and counted, nothing admitted
+    _, _, replies = _keyed_join(s, 1, 0, 2, None, 11, "w0")
+    assert replies == [] and s.counters["drop_auth"] == 1
+    _, _, replies = _keyed_join(s, 1, 0, 2, b"guess", 11, "w0")
+    assert replies == [] and s.counters["drop_auth"] == 2 and 1 not in s.jobs
+    # the right key: admitted; the same JOIN again (a retransmission) is answered, not a restart
+    m0, join0, replies = _keyed_join(s, 1, 0, 2, b"secret", 11, "w0")
+    assert len(replies) == 1 and P.decode(replies[0]).header.type == P.JOIN_ACK
+    assert len(s.receive(join0, "w0")) == 1
+    _keyed_join(s, 1, 1, 2, b"secret", 12, "w1")
+    assert s.job_counters(1).get("job_restarts", 0) == 0 and sorted(s.jobs[1].machine.state.members) == [0, 1]
+    # rank 0 restarts (new nonce): a new run; then rank 0's old JOIN, replayed, must not restart it again
+    _keyed_join(s, 1, 0, 2, b"secret", 13, "w0")
+    assert s.job_counters(1)["job_restarts"] == 1
+    assert s.receive(join0, "attacker") == [] and s.counters["drop_replay"] == 1
+    assert s.job_counters(1)["job_restarts"] == 1
+    # DATA from an address that was never admitted never reaches a slot
+    data = P.encode(P.Header(P.DATA, 1, 1, 2, 1, 4, 4, 1), P.entries_array(1))
+    s.receive(data, "attacker")
+    assert s.job_counters(1)["drop_not_member"] == 1 and not (s.jobs[1].machine.state.bitmap != 0).any()
+
+
+def test_workers_with_the_key_work_end_to_end_and_without_it_time_out(tmp_path):
+    import zerosum
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"s3cret\n")
+    import subprocess
+    import sys
+    from zerosum.local import ANNOUNCE
+    proc = subprocess.Popen([sys.executable, "-m", "zerosum", "aggregator", "--listen", "127.0.0.1:0",
+                             "--key-file", str(key_file), "--announce"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        tag, address = proc.stdout.readline().split()
+        assert tag == ANNOUNCE
+        with zerosum.Worker(0, 1, [address], job=3, key="s3cret") as w:
+            assert np.array_equal(w.allreduce(np.arange(300, dtype=np.int32)), np.arange(300, dtype=np.int32))
+        with pytest.raises(zerosum.ZeroSumTimeout, match="no answer to JOIN"):
+            with zerosum.Worker(0, 1, [address], job=4, key="wrong", timeout=0.5):
+                pass
+    finally:
+        proc.terminate()
+        proc.wait(10)
