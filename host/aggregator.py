@@ -16,19 +16,20 @@ FLUSH_EVERY = 16
 
 class AggregatorServer:
     """Serves any number of concurrent jobs from a pool of `slots` (see AggregatorService). `workers`
-    with `job` declares that job's world size up front (its JOINs must match); None declares nothing."""
+    with `job` declares that job's world size up front (its JOINs must match), `declared` several
+    ({job: workers}); None declares nothing."""
 
     def __init__(self, workers: int | None = None, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
                  slots: int = 8192, loss: float = 0.0, seed: int | None = None, *, max_jobs: int = 16,
                  min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0,
-                 key: bytes | None = None):
+                 key: bytes | None = None, declared: dict[int, int] | None = None):
         self.address = parse_address(listen)
         warm_up()     # compile the kernels before any worker can be waiting for this aggregator
         max_job_slots = min(slots, max_job_slots or 2048)
         # Every worker of a job may have a datagram in flight for every slot of the job: size the buffer
         # for the largest job (its declared size, or 4 workers) and fewer slots if the kernel gives less.
         per_slot = P.ENTRY_SIZE + 256 * P.WIRE_VALUE.itemsize
-        world = workers or 4
+        world = max([workers or 4, *(declared or {}).values()])
         want = max(8 << 20, 2 * world * max_job_slots * per_slot)
         self.sock, got = open_socket(self.address, rcvbuf=want)
         granted = max(1, min(max_job_slots, got // (world * per_slot)))
@@ -37,7 +38,8 @@ class AggregatorServer:
                         "granting at most %d slots per job instead of %d", got, granted, max_job_slots)
         self.service = AggregatorService(max(slots, granted), max_jobs=max_jobs,
                                          min_job_slots=min(min_job_slots, granted), max_job_slots=granted,
-                                         job_idle=job_idle, declared={job: workers} if workers else None,
+                                         job_idle=job_idle,
+                                         declared=declared or ({job: workers} if workers else None),
                                          key=key)
         self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)

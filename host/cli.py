@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "created by their workers' JOINs")
     a.add_argument("--listen", default=f"0.0.0.0:{P.DEFAULT_PORT}", help="HOST:PORT to listen on")
     a.add_argument("--job", type=int, default=1, help="the job --workers declares")
+    a.add_argument("--jobs", metavar="FILE",
+                   help='declare several jobs: a JSON object {"JOB": WORKERS, ...}, e.g. {"1": 4, "7": 2}')
     a.add_argument("--slots", type=_positive_int, default=8192, help="the slot pool shared by all jobs")
     a.add_argument("--max-jobs", type=_positive_int, default=16, help="jobs served at once (more are refused)")
     a.add_argument("--min-job-slots", type=_positive_int, default=64,
@@ -150,6 +152,26 @@ def _stats(args) -> int:
                 raise OSError(f"no answer from an aggregator at {args.address} within {args.timeout} s")
 
 
+def _declared_jobs(args) -> dict[int, int]:
+    """--workers/--job and --jobs FILE as {job: world size}."""
+    import json
+    declared = {args.job: args.workers} if args.workers else {}
+    if args.jobs:
+        with open(args.jobs) as f:
+            try:
+                text = json.load(f)
+                items = {int(job): int(world) for job, world in text.items()}
+            except (ValueError, AttributeError, TypeError):
+                raise ValueError(f"--jobs {args.jobs}: expected a JSON object of job ids to worker counts, "
+                                 f'like {{"1": 4, "7": 2}}') from None
+        declared.update(items)
+    for job, world in declared.items():
+        if not 0 <= job <= 0xFFFF or not 1 <= world <= P.MAX_WORLD:
+            raise ValueError(f"job {job} with {world} workers: job ids are 0..65535, worker counts "
+                             f"1..{P.MAX_WORLD}")
+    return declared
+
+
 def _aggregator(args) -> int:
     from .aggregator import AggregatorServer
     if not 0 <= args.job <= 0xFFFF:
@@ -159,6 +181,7 @@ def _aggregator(args) -> int:
     if args.min_job_slots > min(args.max_job_slots, args.slots):
         raise ValueError(f"--min-job-slots {args.min_job_slots} exceeds what one job may get "
                          f"({min(args.max_job_slots, args.slots)})")
+    declared = _declared_jobs(args)
     key = None
     if args.key_file:
         with open(args.key_file, "rb") as f:
@@ -167,7 +190,8 @@ def _aggregator(args) -> int:
             raise ValueError(f"--key-file {args.key_file} is empty")
     server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
                               max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
-                              max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key)
+                              max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key,
+                              declared=declared)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address

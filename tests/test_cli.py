@@ -61,3 +61,19 @@ def test_check_through_the_emulated_switch_in_udp_mode():
         assert counters["switch"]["rounds"] > 0 and counters["switch"]["joins"] >= 2
     finally:
         switch.kill()
+
+
+def test_aggregator_jobs_file_declares_several_jobs_and_refuses_bad_ones(tmp_path):
+    import json
+    from zerosum.cli import _declared_jobs, build_parser
+    good = tmp_path / "jobs.json"
+    good.write_text(json.dumps({"1": 4, "7": 2}))
+    args = build_parser().parse_args(["aggregator", "--jobs", str(good), "--workers", "3", "--job", "9"])
+    assert _declared_jobs(args) == {9: 3, 1: 4, 7: 2}
+    bad = tmp_path / "bad.json"
+    for text, message in (("[1, 2]", "expected a JSON object"), ('{"1": 40}', "worker counts 1..32"),
+                          ('{"x": 2}', "expected a JSON object")):
+        bad.write_text(text)
+        args = build_parser().parse_args(["aggregator", "--jobs", str(bad)])
+        with pytest.raises(ValueError, match=message):
+            _declared_jobs(args)
