@@ -49,7 +49,9 @@ class Job:
 class AggregatorService:
     def __init__(self, slots: int = 8192, *, max_jobs: int = 16, min_job_slots: int = 64,
                  max_job_slots: int = 2048, job_idle: float = 0.0, declared: dict[int, int] | None = None,
-                 max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM, key: bytes | None = None):
+                 max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM,
+                 key: bytes | dict[int, bytes] | None = None):
+        """key: one secret for every job, or {job: secret} (jobs without one are then not admitted)."""
         if not 1 <= min_job_slots <= max_job_slots <= 0xFFFF:
             raise ValueError(f"need 1 <= min_job_slots <= max_job_slots <= 65535, got {min_job_slots} "
                              f"and {max_job_slots}")
@@ -170,7 +172,8 @@ class AggregatorService:
         (a replayed JOIN of an earlier run must not restart the job)."""
         raw = bytes(datagram)
         mac = raw[P.PACKET_HEADER_SIZE:]
-        if len(mac) != P.JOIN_MAC_SIZE or not hmac.compare_digest(mac, P.join_mac(self.key, raw)):
+        key = self.key.get(job_id) if isinstance(self.key, dict) else self.key
+        if key is None or len(mac) != P.JOIN_MAC_SIZE or not hmac.compare_digest(mac, P.join_mac(key, raw)):
             self._drops["drop_auth"] += 1
             return False
         seen = self._nonces.setdefault((job_id, rank), collections.deque(maxlen=REPLAY_WINDOW))

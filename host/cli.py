@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--job-idle", type=float, default=60.0, metavar="SECONDS",
                    help="a job silent this long ends and frees its slots (0: only when all ranks leave)")
     a.add_argument("--key-file", metavar="FILE",
-                   help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY): only JOINs with "
-                        "its HMAC are admitted")
+                   help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY), or a JSON object "
+                        "of per-job secrets {\"JOB\": \"secret\"}: only JOINs with its HMAC are admitted")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", "--stats-interval", dest="stats", type=float, default=0.0, metavar="SECONDS",
@@ -152,6 +152,24 @@ def _stats(args) -> int:
                 raise OSError(f"no answer from an aggregator at {args.address} within {args.timeout} s")
 
 
+def _keys(path: str):
+    """--key-file: one secret for every job, or a JSON object {"JOB": "secret", ...} of per-job secrets."""
+    import json
+    with open(path, "rb") as f:
+        raw = f.read().strip()
+    if not raw:
+        raise ValueError(f"--key-file {path} is empty")
+    if raw.startswith(b"{"):
+        try:
+            keys = {int(job): str(secret).encode() for job, secret in json.loads(raw).items()}
+        except (ValueError, AttributeError):
+            raise ValueError(f'--key-file {path}: expected a secret, or JSON like {{"1": "secret"}}') from None
+        if not keys or not all(keys.values()):
+            raise ValueError(f"--key-file {path}: every job needs a non-empty secret")
+        return keys
+    return raw
+
+
 def _declared_jobs(args) -> dict[int, int]:
     """--workers/--job and --jobs FILE as {job: world size}."""
     import json
@@ -182,12 +200,7 @@ def _aggregator(args) -> int:
         raise ValueError(f"--min-job-slots {args.min_job_slots} exceeds what one job may get "
                          f"({min(args.max_job_slots, args.slots)})")
     declared = _declared_jobs(args)
-    key = None
-    if args.key_file:
-        with open(args.key_file, "rb") as f:
-            key = f.read().strip()
-        if not key:
-            raise ValueError(f"--key-file {args.key_file} is empty")
+    key = _keys(args.key_file) if args.key_file else None
     server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
                               max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
                               max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key,

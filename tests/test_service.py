@@ -234,3 +234,24 @@ def test_soak_script_jobs_come_and_go_without_leaks():
     out = subprocess.run([sys.executable, script, "--seconds", "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "slots in use 0" in out.stdout and "sums exact" in out.stdout
+
+
+def test_per_job_keys():
+    s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128, key={1: b"one", 2: b"two"})
+    assert _keyed_join(s, 1, 0, 1, b"one", 5, "a")[2] and 1 in s.jobs
+    assert not _keyed_join(s, 2, 0, 1, b"one", 6, "b")[2] and 2 not in s.jobs    # job 1's key for job 2
+    assert not _keyed_join(s, 3, 0, 1, b"one", 7, "c")[2] and 3 not in s.jobs    # job 3 has no key: none
+    assert _keyed_join(s, 2, 0, 1, b"two", 8, "b")[2] and s.counters["drop_auth"] == 2
+
+
+def test_key_file_forms(tmp_path):
+    from zerosum.cli import _keys
+    f = tmp_path / "k"
+    f.write_bytes(b"plain secret\n")
+    assert _keys(str(f)) == b"plain secret"
+    f.write_text('{"1": "a", "7": "b"}')
+    assert _keys(str(f)) == {1: b"a", 7: b"b"}
+    for text in ("", "{\"x\": \"a\"}", "{\"1\": \"\"}"):
+        f.write_text(text)
+        with pytest.raises(ValueError):
+            _keys(str(f))
