@@ -19,7 +19,6 @@ Counters are one int64 array indexed by COUNTERS (docs/protocol.md, "Counters").
 from __future__ import annotations
 
 import secrets
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -34,7 +33,6 @@ COUNTERS = ("datagrams", "joins", "job_restarts", "rounds", "duplicates", "retra
             "drop_join_block_size", "drop_stale", "drop_mismatch", "send_errors", "leaves", "drop_auth",
             "drop_replay")
 C = {name: i for i, name in enumerate(COUNTERS)}
-_HEADER = struct.Struct(">BBHHHIIHH")
 
 
 class Counters(Mapping):
@@ -135,7 +133,7 @@ class AggregatorMachine:
         if n < P.PACKET_HEADER_SIZE:
             self.count("drop_short")
             return []
-        version, ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = _HEADER.unpack_from(datagram)
+        version, ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = P.HEADER.unpack_from(datagram)
         if version != P.VERSION:
             self.count("drop_version")
             return []

@@ -57,15 +57,6 @@ class BlockView:
         out[~inner] = self.tail
         return out
 
-    def store(self, blocks: np.ndarray, rows: np.ndarray) -> None:
-        """Write rows into the given blocks of `flat` (the last block's padding is dropped)."""
-        if self.tail is None or len(blocks) == 0 or blocks.max() < self.nfull:
-            self.full[blocks] = rows
-            return
-        inner = blocks < self.nfull
-        self.full[blocks[inner]] = rows[inner]
-        start = self.nfull * self.block_size
-        self.flat[start:] = rows[~inner][0, : self.flat.size - start]
 
 @dataclass
 class SparseBlocks:

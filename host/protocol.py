@@ -168,8 +168,17 @@ def encode(header: Header, entries: np.ndarray | None = None, data: np.ndarray |
     return bytes(buf) + body
 
 
-_HEADER = struct.Struct(">BBHHHIIHH")
+HEADER = struct.Struct(">BBHHHIIHH")   # the packet header's fields, for parsing without numpy
 _EMPTY_ROWS = np.zeros((0, 0), WIRE_VALUE)
+
+
+def parse_header(datagram) -> tuple | None:
+    """(type, job, rank, world, epoch, tensor_blocks, block_size, entries) of a datagram of this
+    protocol version, or None for one too short or of another version."""
+    if len(datagram) < PACKET_HEADER_SIZE:
+        return None
+    version, *fields = HEADER.unpack_from(datagram)
+    return tuple(fields) if version == VERSION else None
 
 
 def decode(buf, length: int | None = None) -> Datagram:
@@ -182,7 +191,7 @@ def decode(buf, length: int | None = None) -> Datagram:
     n = len(mv)
     if n < PACKET_HEADER_SIZE:
         raise ProtocolError("short", f"{n} bytes is shorter than the {PACKET_HEADER_SIZE}-byte header")
-    version, ptype, job, rank, world, epoch, tblocks, bsize, nent = _HEADER.unpack_from(mv)
+    version, ptype, job, rank, world, epoch, tblocks, bsize, nent = HEADER.unpack_from(mv)
     if version != VERSION:
         raise ProtocolError("version", f"unknown protocol version {version}")
     if ptype not in TYPE_NAMES:

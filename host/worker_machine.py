@@ -18,7 +18,6 @@ its next non-zero block index after the round's block (docs/protocol.md, "A roun
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +29,6 @@ from .errors import ProtocolViolation, ZeroSumRefused, ZeroSumTimeout
 from .fixedpoint import precision_bits
 from .layout import Layout
 
-_HEADER = struct.Struct(">BBHHHIIHH")
 JOIN_INTERVAL = 0.05   # docs/protocol.md, "Joining": JOIN is repeated every 50 ms until all ranks joined
 
 
@@ -48,15 +46,6 @@ class WorkerConfig:
     block_size: int = 256
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
     key: bytes | None = None   # shared with the aggregators: JOINs carry an HMAC (docs/protocol.md, "Admission")
-
-
-def parse_header(datagram) -> tuple | None:
-    """(type, job, rank, world, epoch, tensor_blocks, block_size, entries) of a datagram of this
-    protocol version, or None for one too short or of another version."""
-    if len(datagram) < P.PACKET_HEADER_SIZE:
-        return None
-    version, *fields = _HEADER.unpack_from(datagram)
-    return tuple(fields) if version == P.VERSION else None
 
 
 class JoinMachine:
@@ -97,7 +86,7 @@ class JoinMachine:
         return min(self.next_send, self.started + self.cfg.timeout)
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
-        h = parse_header(datagram)
+        h = P.parse_header(datagram)
         if h is not None and h[0] == P.REFUSED and h[1] == self.cfg.job and h[3] == self.cfg.world \
                 and len(datagram) == P.PACKET_HEADER_SIZE + P.REFUSED_BODY.size:
             jobs, used, total = P.REFUSED_BODY.unpack_from(datagram, P.PACKET_HEADER_SIZE)
@@ -228,8 +217,6 @@ class AllreduceMachine:
                          self.base_rto, self.probe, self.loss_confirmed)
         return min(t, self.last_progress + self.cfg.timeout)
 
-    deadline_at = property(timer)
-
     def _drop(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
@@ -318,7 +305,7 @@ class AllreduceMachine:
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
-        h = parse_header(datagram)
+        h = P.parse_header(datagram)
         if h is None:
             self._drop("short" if len(datagram) < P.PACKET_HEADER_SIZE else "version")
             return

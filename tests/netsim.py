@@ -64,7 +64,7 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
             pend = np.flatnonzero(m.round_block != P.END)
             raise AssertionError(f"simulation did not converge: now={now} queue={len(queue)} "
                                  f"pending={pend[:5]} deadline={m.deadline[pend[:5]]} heard={m.last_heard} "
-                                 f"rto={m.base_rto} ready={m.ready[pend[:5]]} at={m.deadline_at}")
+                                 f"rto={m.base_rto} ready={m.ready[pend[:5]]} at={m.timer()}")
         if not queue:
             flushed = False
             for r, m in enumerate(machines):
@@ -73,7 +73,7 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
                     flushed = True
             if flushed:
                 continue
-            now = min(m.deadline_at for m in machines if not m.done)
+            now = min(m.timer() for m in machines if not m.done)
             for r, m in enumerate(machines):
                 for a, data in m.poll(now):
                     post("agg", a, r, data)
