@@ -162,7 +162,6 @@ class AggregatorMachine:
         if world != s.world or block_size != s.block_size:
             self.count("drop_geometry")
             return []
-        self.count("datagrams")
         return self._data(datagram, n, nent, epoch, tensor_blocks, rank, source)
 
     # -- membership ---------------------------------------------------------------------------------
@@ -216,6 +215,7 @@ class AggregatorMachine:
     def _data(self, datagram, n, nent, epoch, tensor_blocks, rank, source) -> list[tuple[list, memoryview]]:
         s = self.state
         if nent == 0:
+            self.count("datagrams")
             return []
         out: list[tuple[list, memoryview]] = []
         key = (epoch, tensor_blocks)
@@ -228,12 +228,12 @@ class AggregatorMachine:
                               s.block_size, s.regs, s.acc, s.shadow, self._seen, self._stamp, self._done,
                               counts, self._replies)
         if reason != K.OK:
-            self.counters.array[C["datagrams"]] -= 1
             self.count(K.DROP_REASONS[reason])
             return out
         if counts[0]:
             self._pending_key = key
         a = self.counters.array
+        a[C["datagrams"]] += 1
         a[C["drop_stale"]] += counts[3]
         a[C["drop_mismatch"]] += counts[4]
         a[C["rounds"]] += counts[5]

@@ -59,7 +59,7 @@ def scatter_result(t, blocks: np.ndarray, rows: np.ndarray, block_size: int, out
     """Write summed blocks into `out` (or a new zero tensor) on t's device."""
     import torch
     n = t.numel()
-    nblocks = block_count(n, block_size)
+    nfull = n // block_size
     if out is None:
         result = torch.zeros_like(t, memory_format=torch.contiguous_format)
     else:
@@ -70,14 +70,13 @@ def scatter_result(t, blocks: np.ndarray, rows: np.ndarray, block_size: int, out
         return result
     src = torch.from_numpy(np.ascontiguousarray(rows)).to(t.device, non_blocking=True)
     index = torch.from_numpy(blocks).to(t.device)
-    full = blocks < n // block_size
-    if full.all():
-        result.view(-1)[: (n // block_size) * block_size].view(-1, block_size).index_copy_(0, index, src)
+    whole = result.view(-1)[: nfull * block_size].view(nfull, block_size)
+    if blocks[-1] < nfull:       # blocks are sorted: none is the short last one
+        whole.index_copy_(0, index, src)
         return result
+    whole.index_copy_(0, index[:-1], src[:-1])
     # the short last block: only its first n mod block_size values exist
-    head = torch.from_numpy(full).to(t.device)
-    result.view(-1)[: (n // block_size) * block_size].view(-1, block_size).index_copy_(0, index[head], src[head])
-    result.view(-1)[(nblocks - 1) * block_size:] = src[~head][0, : n - (nblocks - 1) * block_size]
+    result.view(-1)[nfull * block_size:] = src[-1, : n - nfull * block_size]
     return result
 
 
