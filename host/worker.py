@@ -12,7 +12,7 @@ from . import protocol as P
 from .aggregator_machine import new_nonce
 from . import tensors
 from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
-from .errors import ZeroSumError, ZeroSumRefused
+from .errors import ZeroSumError, ZeroSumTimeout
 from .layout import Layout
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
@@ -166,12 +166,13 @@ class Worker:
                 got = self._recv(m.timer() - now)
                 if got is not None:
                     m.receive(got[0], got[1], time.monotonic())
-        except ZeroSumRefused:
-            raise
-        except ZeroSumError as e:
+        except ZeroSumTimeout as e:
+            if all(m.heard):
+                raise
+            # an aggregator never answered: it may be a switch that does not know this worker
             address = "%s:%d" % self.sock.getsockname()
-            raise type(e)(f"{e} (a switch also needs its block size, 64, and this worker's address "
-                          f"{address} in its membership table)" if "no answer" in str(e) else str(e)) from None
+            raise ZeroSumTimeout(f"{e} (a switch also needs its block size, 64, and this worker's address "
+                                 f"{address} in its membership table)") from None
         self.slots = m.slots
         self._leave = m.leave()
         # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
@@ -228,8 +229,6 @@ class Worker:
             raise ValueError(f"rows must be a (len(blocks), {self.block_size}) array, got shape {rows.shape}")
         if average and rows.dtype != np.float32:
             raise ValueError(f"average=True needs float32 data, not {rows.dtype}")
-        if rows.dtype not in (np.float32, np.int32):
-            raise TypeError(f"allreduce supports float32 and int32 arrays, not {rows.dtype}")
         source = BlockSource.compact(blocks, rows, int(num_blocks))
         sink = CollectedBlocks(rows.dtype, self.block_size, capacity=max(64, 2 * len(source.blocks)))
         self._reduce(source, sink, average)
