@@ -63,5 +63,62 @@ def test_training_over_shaped_links_in_namespaces(tmp_path):
     gap = max(abs(a - b) for a, b in zip(by["gloo"]["losses"], by["zerosum"]["losses"]))
     assert gap < 1e-3 and run["loss_curve_gap"] == gap   # same curve
     assert 0 < by["zerosum"]["bytes_sent_per_step"] < 0.3 * by["gloo"]["bytes_sent_per_step"]
-    assert "ZeroSum vs gloo" in r.stdout
+    assert re.search(r"^\s*2gbit\s+zerosum\s+\d+\s+[\d.]+x", r.stdout, re.M), r.stdout
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_scheme_names_parse_or_fail_clearly():
+    from zerosum.examples import schemes as S
+    assert S.parse("topk:0.01") == S.Scheme("topk:0.01", "topk", (0.01,))
+    assert S.parse("localsgd:8:10").args == (8.0, 10.0) and S.parse("delayed").uses_zerosum
+    assert not S.parse("gloo").uses_zerosum and not S.parse("local").uses_zerosum
+    for bad, words in [("topk", "takes 1"), ("topk:2", "density"), ("qsgd:2.5", "levels"), ("fancy", "unknown"),
+                       ("localsgd:0", "period"), ("localsgd:2:-1", "warm-up"), ("delayed:1", "takes 0"),
+                       ("topk:x", "numbers")]:
+        with pytest.raises(ValueError, match=words):
+            S.parse(bad)
+    with pytest.raises(ValueError, match="twice"):
+        S.parse_list("zerosum,zerosum")
+
+
+def test_schemes_side_by_side_under_torchrun(tmp_path):
+    """--schemes: the same model and batches trained by several schemes in one run; each scheme's bytes
+    are its own (top-k and local SGD send less than every-step ZeroSum), the per-step mean losses over
+    ranks and the clock are reported, and delayed gradients differ from every-step training."""
+    torchrun = shutil.which("torchrun")
+    out = tmp_path / "r.json"
+    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
+        "--standalone", "--nproc-per-node", "2", "-m", "zerosum.examples.mlp", "--schemes",
+        "zerosum,topk:0.05,localsgd:4:1,delayed", "--steps", "6", "--warmup", "2", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ZEROSUM_AGGREGATORS", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    by = {m["mode"]: m for m in json.loads(out.read_text())["reports"]}
+    assert list(by) == ["zerosum", "topk:0.05", "localsgd:4:1", "delayed"]
+    z = by["zerosum"]
+    assert by["topk:0.05"]["bytes_sent_per_step"] < 0.2 * z["bytes_sent_per_step"]
+    assert by["localsgd:4:1"]["bytes_sent_per_step"] < 0.7 * z["bytes_sent_per_step"]
+    for m in by.values():
+        assert len(m["mean_losses"]) == len(m["clock_s"]) == 6
+        assert m["clock_s"][:2] == [None, None] and all(b > a for a, b in zip(m["clock_s"][2:], m["clock_s"][3:]))
+        assert m["losses"][0] == z["losses"][0]      # same initial model, same first batch
+    assert z["identical_on_all_ranks"] and by["delayed"]["identical_on_all_ranks"]
+    assert by["delayed"]["losses"][1] != z["losses"][1]   # the first step applied nothing
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+                    reason="needs root, iproute2 and tc (network namespaces, a bridge, tbf qdiscs)")
+def test_training_schemes_script_over_shaped_links(tmp_path):
+    """experiments/training_schemes.py (E6's script) in a short configuration over 1 Gbit/s links:
+    every scheme reports bytes, step time and a loss curve against wall-clock time."""
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "training_schemes.py")
+    r = subprocess.run([sys.executable, script, "e6", "--rate", "1gbit", "--workers", "2", "--example", "mlp",
+                        "--schemes", "gloo,zerosum,topk:0.01", "--steps", "8", "--warmup", "2", "--smooth", "2",
+                        "--out", "none"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| scheme")}
+    assert set(rows) == {"gloo", "zerosum", "topk:0.01"}, r.stdout
+    sent = {k: float(v.split("|")[2]) for k, v in rows.items()}
+    assert sent["topk:0.01"] < 0.1 * sent["zerosum"]

@@ -6,17 +6,17 @@ ZeroSum's result is also checked to be identical on every rank.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerosum.torch as zt
 
+from . import schemes as S
 
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 MODES = {"both": ["gloo", "zerosum"], "all": ["local", "gloo", "zerosum"],
          "zerosum": ["zerosum"], "gloo": ["gloo"], "local": ["local"]}
 
@@ -29,10 +29,15 @@ def parse_args(description: str, extra=None, **defaults) -> argparse.Namespace:
                         "no gradient exchange at all, each rank steps on its own gradients -- the step time "
                         "without communication, the floor any allreduce is measured against; all: local, "
                         "gloo and ZeroSum in one run)")
+    p.add_argument("--schemes", type=_schemes, metavar="LIST",
+                   help="instead of --mode: a comma-separated list of schemes, e.g. "
+                        "local,gloo,zerosum,topk:0.01,qsgd:4,localsgd:8:10,delayed (zerosum.examples.schemes)")
     p.add_argument("--steps", type=int, default=defaults.get("steps", 30))
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timing")
     p.add_argument("--batch", type=int, default=defaults.get("batch", 256))
     p.add_argument("--lr", type=float, default=defaults.get("lr", 0.05))
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
+                   help="sgd (plain SGD, the default) or adam; the same for every scheme")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--bucket-view", action=argparse.BooleanOptionalAction, default=True,
                    help="DDP's gradient_as_bucket_view: gradients live in the buckets, which saves two "
@@ -50,20 +55,17 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     initial = model_fn()
-    modes = MODES[args.mode]
+    schemes = getattr(args, "schemes", None) or [S.parse(m) for m in MODES[args.mode]]
     worker = local = None
-    if "zerosum" in modes:
+    if any(s.uses_zerosum for s in schemes):
         worker, local = zt.worker_from_env(dist.distributed_c10d._get_default_store(), rank, world)
     reports = []
-    for mode in modes:
-        model = DDP(copy.deepcopy(initial), bucket_cap_mb=args.bucket_mb,
-                    gradient_as_bucket_view=args.bucket_view)
-        state = zt.register(model, worker) if mode == "zerosum" else None
-        if mode == "local":
-            model.register_comm_hook(None, _no_communication)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    for scheme in schemes:
+        run = scheme.attach(initial, worker, world, rank, args.seed, args.bucket_mb, args.bucket_view)
+        model = run.model
+        opt = OPTIMIZERS[getattr(args, "optimizer", "sgd")](model.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-        losses, t0, before = [], None, None
+        losses, clock, t0, before = [], [], None, None
         for step in range(args.steps):
             if step == args.warmup:
                 dist.barrier()
@@ -74,26 +76,31 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
             loss = loss_fn(model(*inputs), target)
             loss.backward()
             opt.step()
+            run.after_step(model.parameters())
             losses.append(loss.item())
+            clock.append(None if t0 is None else time.perf_counter() - t0)
         dist.barrier()
         elapsed = time.perf_counter() - t0
         timed = args.steps - args.warmup
-        if state is not None:
-            state.close()
+        run.close()
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         digest = torch.tensor([float(params.double().sum())])
         gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(gathered, digest.double())
-        if mode == "zerosum":
+        every_rank = [None] * world        # outside the timed steps: every rank's losses, for the mean
+        dist.all_gather_object(every_rank, losses)
+        if scheme.uses_zerosum:
             sent, received, resent = (now - then for now, then in zip(_traffic(worker), before))
             sent, received = sent / timed, received / timed
         else:   # gloo: the ring allreduce's bytes each way, computed; local: nothing
             ring = 2 * (world - 1) / world * sum(p.numel() * 4 for p in model.parameters())
-            sent = received = 0.0 if mode == "local" else ring
+            sent = received = 0.0 if scheme.kind == "local" else ring
             resent = 0
         reports.append({
-            "mode": mode, "step_s": elapsed / timed, "samples_per_s": args.batch * world * timed / elapsed,
+            "mode": scheme.text, "step_s": elapsed / timed, "samples_per_s": args.batch * world * timed / elapsed,
             "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
+            "mean_losses": [sum(v) / world for v in zip(*every_rank)], "clock_s": clock,
+            "warmup_steps": args.warmup, "batch": args.batch,
             "bytes_sent_per_step": sent, "bytes_received_per_step": received, "retransmitted_entries": resent,
             "identical_on_all_ranks": len({float(g) for g in gathered}) == 1,
         })
@@ -103,8 +110,11 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "reports": reports, "loss_curve_gap": gap}, f, indent=1)
-    if not all(r["identical_on_all_ranks"] for r in reports if r["mode"] == "zerosum"):
-        raise SystemExit("ZeroSum left different parameters on different ranks")
+    # Every scheme through ZeroSum applies the same update on every rank, except local SGD between averages.
+    differ = [r["mode"] for r, s in zip(reports, schemes)
+              if s.uses_zerosum and s.kind != "localsgd" and not r["identical_on_all_ranks"]]
+    if differ:
+        raise SystemExit(f"ZeroSum left different parameters on different ranks ({', '.join(differ)})")
     if worker is not None:
         worker.close()
     if local is not None:
@@ -112,6 +122,13 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
     dist.barrier()   # no rank tears gloo down while another still uses it (that aborts the process)
     dist.destroy_process_group()
     return reports
+
+
+def _schemes(text: str):
+    try:
+        return S.parse_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _traffic(worker) -> tuple[int, int, int]:
@@ -129,18 +146,11 @@ def _loss_curve_gap(reports) -> float | None:
     return max(abs(a - b) for a, b in zip(by["gloo"], by["zerosum"]))
 
 
-def _no_communication(state, bucket):
-    """A DDP hook that keeps the local gradient: measures the step without any allreduce."""
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
 def _print(reports, world, gap) -> None:
-    print(f"{'mode':8} {'step (ms)':>10} {'samples/s':>10} {'loss first':>11} {'loss last':>10} "
+    print(f"{'scheme':14} {'step (ms)':>10} {'samples/s':>10} {'loss first':>11} {'loss last':>10} "
           f"{'MB sent/step/worker':>20} {'MB received':>12} {'identical':>9}")
     for r in reports:
-        print(f"{r['mode']:8} {r['step_s'] * 1e3:10.1f} {r['samples_per_s']:10.0f} {r['loss_first']:11.4f} "
+        print(f"{r['mode']:14} {r['step_s'] * 1e3:10.1f} {r['samples_per_s']:10.0f} {r['loss_first']:11.4f} "
               f"{r['loss_last']:10.4f} {r['bytes_sent_per_step'] / 1e6:20.2f} {r['bytes_received_per_step'] / 1e6:12.2f} {'n/a' if r['mode'] == 'local' else str(r['identical_on_all_ranks']):>9}")
     by = {r["mode"]: r for r in reports}
     if gap is not None:

@@ -1,0 +1,246 @@
+"""Training schemes against the wall clock: the torch examples trained with several ways of exchanging
+gradients side by side (zerosum.examples.schemes), on loopback or over rate-limited links.
+
+    sudo python3 experiments/training_schemes.py e6              # compressors, 1 Gbit/s links (~25 min)
+    sudo python3 experiments/training_schemes.py s1              # local SGD periods
+    sudo python3 experiments/training_schemes.py s3              # one-step delayed gradients
+    python3 experiments/training_schemes.py e6 --rate loopback --example mlp --steps 60   # a quick look
+
+Each experiment trains the embedding example and the MLP (zerosum.examples.embedding / .mlp) with every
+scheme of its list, one after another in the same processes, from the same initial model on the same
+batches: W workers (--workers, default 4), each on a host of its own behind a link shaped to --rate both
+ways (experiments/shaped_network.py: network namespaces, veth, tbf; one aggregator on every worker's
+host, so ZeroSum uses the same hosts and links as gloo), or all on loopback with --rate loopback.
+
+Reported per scheme: bytes sent and received per worker and step (ZeroSum's own counters; gloo's ring
+allreduce computed), the step time (steady state), the loss after the fixed number of samples, and the
+wall-clock time and samples to a target loss. The loss is the mean over ranks of each step's minibatch
+loss, smoothed by a trailing mean over --smooth steps; the target is the smoothed loss that every-step
+ZeroSum ("zerosum") reaches at 75 % of its steps, unless --target gives one. Wall-clock time counts the
+untimed warm-up steps (numba's and DDP's first-iteration work) at the scheme's steady step time.
+
+Writes docs/<experiment>.json and docs/<experiment>.png (loss against wall-clock time, one panel per
+model) and replaces the experiment's section in its document (E6: docs/compression.md; S1, S3:
+docs/sync.md). The CPU (2 cores here) is shared by every process, so the step times are upper bounds on
+what separate hosts take.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import json_safe, update_sections  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+# The examples' training settings for these runs: Adam, because the embedding example barely moves
+# from log 2 with plain SGD in a few hundred steps (its clicks depend on single rows' hidden weights).
+MODELS = {
+    "embedding": ["--optimizer", "adam", "--lr", "0.01", "--batch", "256"],
+    "mlp": ["--optimizer", "sgd", "--lr", "0.05", "--batch", "128"],
+}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    key: str
+    title: str
+    doc: str
+    schemes: str
+    steps: int
+    about: str
+
+
+EXPERIMENTS = {
+    "e6": Experiment("E6", "compressors in wall-clock time", "compression.md",
+                     "gloo,zerosum,topk:0.01,dgc:0.01,qsgd:4,terngrad,efsign,diana:1", 300,
+                     "each compressor through the real DDP hook (zerosum.torch.register(model, worker, "
+                     "compressor)): top-k blocks with error feedback at density 0.01 (`topk:0.01`), DGC to "
+                     "density 0.01 with its warm-up (`dgc:0.01`), QSGD with 4 levels, TernGrad, scaled sign "
+                     "with error feedback (`efsign`), DIANA over random-k blocks with tau = ceil(m/W) "
+                     "(`diana:1`), against uncompressed ZeroSum and gloo's ring allreduce"),
+    "s1": Experiment("S1", "periodic model averaging (local SGD)", "sync.md",
+                     "gloo,zerosum,localsgd:2:10,localsgd:4:10,localsgd:8:10,localsgd:16:10", 300,
+                     "post-local SGD (zerosum.sync.PostLocalSGDState + PeriodicModelAverager): 10 warm-up steps "
+                     "averaging gradients every step, then the model averaged every H steps (`localsgd:H:10`), "
+                     "against every-step ZeroSum (H = 1) and gloo"),
+    "s3": Experiment("S3", "one-step delayed gradients", "sync.md", "zerosum,delayed", 300,
+                     "zerosum.sync.delayed_gradient_hook (step t applies the average of step t-1's gradients, "
+                     "so each allreduce overlaps a whole step) against synchronous every-step ZeroSum"),
+}
+
+
+def launch(example: str, schemes: str, args, extra: list[str]) -> dict:
+    """One training run of `example` with `schemes`; returns the harness's report (rank 0's JSON)."""
+    example_args = ["--schemes", schemes, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                    *MODELS[example], *extra]
+    if args.rate != "loopback":
+        from shaped_network import run
+        return run(args.rate, args.workers, 0, example, args.mtu, example_args, args.timeout)
+    torchrun = shutil.which("torchrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
+            "--standalone", "--nproc-per-node", str(args.workers), "-m", f"zerosum.examples.{example}",
+            *example_args, "--json", str(report)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("ZEROSUM_AGGREGATORS", None)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=tmp, env=env)
+        if r.returncode != 0:
+            raise SystemExit(f"{example} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        print(r.stdout, end="", flush=True)
+        return json.loads(report.read_text())
+
+
+def smoothed(losses, window: int) -> np.ndarray:
+    x = np.asarray(losses, float)
+    c = np.cumsum(np.concatenate([[0.0], x]))
+    lo = np.maximum(np.arange(1, len(x) + 1) - window, 0)
+    return (c[1:] - c[lo]) / (np.arange(1, len(x) + 1) - lo)
+
+
+def wall_clock(report: dict) -> np.ndarray:
+    """Seconds at the end of every step: the timed steps' clock, plus the warm-up steps at the steady
+    step time."""
+    w, step = report["warmup_steps"], report["step_s"]
+    head = [(i + 1) * step for i in range(w)]
+    return np.array(head + [w * step + c for c in report["clock_s"][w:]])
+
+
+def summarize(report: dict, world: int, target: float, window: int) -> dict:
+    loss = smoothed(report["mean_losses"], window)
+    clock = wall_clock(report)
+    reached = np.flatnonzero(loss <= target)
+    hit = int(reached[0]) if reached.size else None
+    samples = report["batch"] * world
+    return {"scheme": report["mode"], "step_ms": report["step_s"] * 1e3,
+            "sent_mb": report["bytes_sent_per_step"] / 1e6, "received_mb": report["bytes_received_per_step"] / 1e6,
+            "resent_entries": report["retransmitted_entries"], "final_loss": float(loss[-1]),
+            "samples": len(loss) * samples,
+            "time_to_target_s": None if hit is None else float(clock[hit]),
+            "samples_to_target": None if hit is None else (hit + 1) * samples,
+            "curve": {"seconds": clock.tolist(), "loss": loss.tolist()}}
+
+
+def target_of(reports: list[dict], window: int) -> float:
+    base = next((r for r in reports if r["mode"] == "zerosum"), reports[0])
+    loss = smoothed(base["mean_losses"], window)
+    return float(loss[int(0.75 * (len(loss) - 1))])
+
+
+def run_experiment(exp: Experiment, args, extra: list[str]) -> dict:
+    out = {"experiment": exp.key, "rate": args.rate, "workers": args.workers, "steps": args.steps,
+           "warmup": args.warmup, "smooth": args.smooth, "models": {}}
+    for example in args.example:
+        print(f"== {exp.key}: {example}, {args.workers} workers, {args.rate}", flush=True)
+        rep = launch(example, args.schemes or exp.schemes, args, extra)
+        target = args.target if args.target is not None else target_of(rep["reports"], args.smooth)
+        rows = [summarize(r, rep["world"], target, args.smooth) for r in rep["reports"]]
+        out["models"][example] = {"target": target, "settings": MODELS[example] + extra, "rows": rows,
+                                  "shaper_drops": rep.get("shaper_drops"),
+                                  "socket_buffer_drops": rep.get("socket_buffer_drops")}
+        print(table(rows, target))
+    return out
+
+
+def table(rows: list[dict], target: float) -> str:
+    base = next((r for r in rows if r["scheme"] == "zerosum"), None)
+    lines = [f"| scheme | MB sent / step | MB received / step | step (ms) | loss after {rows[0]['samples']:,} samples "
+             f"| wall-clock to loss {target:.4f} (s) | samples to it | time vs every-step ZeroSum |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        t, n = r["time_to_target_s"], r["samples_to_target"]
+        ratio = (f"{t / base['time_to_target_s']:.2f}x" if t is not None and base and base["time_to_target_s"]
+                 else "-")
+        lines.append(f"| {r['scheme']} | {r['sent_mb']:.2f} | {r['received_mb']:.2f} | {r['step_ms']:.0f} | "
+                     f"{r['final_loss']:.4f} | {'never' if t is None else f'{t:.1f}'} | "
+                     f"{'never' if n is None else f'{n:,}'} | {ratio} |")
+    return "\n".join(lines)
+
+
+def figure(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, (example, m) in zip(axes[0], models.items()):
+        for r in m["rows"]:
+            ax.plot(r["curve"]["seconds"], r["curve"]["loss"], label=r["scheme"], lw=1.3)
+        ax.axhline(m["target"], color="grey", ls=":", lw=1)
+        ax.set_title(f"{example}: {result['workers']} workers, {result['rate']}")
+        ax.set_xlabel("wall-clock time (s)")
+        ax.set_ylabel(f"training loss (mean over ranks, {result['smooth']}-step mean)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def section(exp: Experiment, result: dict, name: str) -> list[str]:
+    where = ("loopback (every process on this machine's cores, no link limit)" if result["rate"] == "loopback"
+             else f"links shaped to {result['rate']} both ways (experiments/shaped_network.py: a network "
+                  "namespace per worker, veth, tbf; one aggregator on every worker's host)")
+    key = exp.key + (" (loopback)" if result["rate"] == "loopback" else "")
+    lines = [f"## {key}: {exp.title}", "",
+             f"`python3 experiments/training_schemes.py {exp.key.lower()}` (numbers below are its output): "
+             f"{result['workers']} workers on {where}; {result['steps']} steps ({result['warmup']} untimed), "
+             f"{exp.about}. Loss: the mean over ranks of each step's minibatch loss, {result['smooth']}-step "
+             "trailing mean; target: the loss every-step ZeroSum reaches at 75 % of its steps. Wall-clock time "
+             "counts the warm-up steps at the steady step time. The CPU (2 cores) is shared by all processes. "
+             f"Figure: [{name}.png]({name}.png); data: [{name}.json]({name}.json).", ""]
+    for example, m in result["models"].items():
+        drops = "" if m["shaper_drops"] is None else \
+            f" Packets the shapers dropped over the run: {m['shaper_drops']}; socket-buffer drops: {m['socket_buffer_drops']}."
+        lines += [f"**{example}** (`{' '.join(m['settings'])}`).{drops}", "", table(m["rows"], m["target"]), ""]
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", choices=list(EXPERIMENTS))
+    p.add_argument("--rate", default="1gbit", help="link rate as tc writes it, or 'loopback' (default 1gbit)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--example", action="append", choices=list(MODELS), help="default: both")
+    p.add_argument("--schemes", help="override the experiment's scheme list (zerosum.examples.schemes)")
+    p.add_argument("--steps", type=int, help="default: the experiment's")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--smooth", type=int, default=20, help="steps in the loss's trailing mean")
+    p.add_argument("--target", type=float, help="target loss (default: see above)")
+    p.add_argument("--mtu", type=int, default=9000)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--out", metavar="NAME", help="write docs/NAME.json, docs/NAME.png and the doc section "
+                   "(default: the experiment's name; 'none' writes nothing)")
+    args = p.parse_args(argv)
+    exp = EXPERIMENTS[args.experiment]
+    args.steps = args.steps or exp.steps
+    args.example = args.example or list(MODELS)
+    if args.rate != "loopback":
+        from shaped_network import rate_type
+        rate_type(args.rate)
+        if os.geteuid() != 0:
+            raise SystemExit("shaped links need root (network namespaces, veth, tbf); or use --rate loopback")
+    result = run_experiment(exp, args, extra)
+    name = args.out or f"{args.experiment}_{'loopback' if args.rate == 'loopback' else 'shaped'}"
+    if name != "none":
+        (DOCS / f"{name}.json").write_text(json.dumps(json_safe(result), indent=1))
+        figure(result, DOCS / f"{name}.png")
+        update_sections(DOCS / exp.doc, section(exp, result, name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
