@@ -103,6 +103,87 @@ def launch(example: str, schemes: str, args, extra: list[str]) -> dict:
         return json.loads(report.read_text())
 
 
+def profile(example: str, world: int, extra: list[str], warm: int = 10, periods=(1, 2, 4, 8, 16)):
+    """Block densities for the cost model (zerosum.costmodel.Densities), measured without any exchange:
+    every rank's replica of the model trains on its own batches (the harness's model, seeds and
+    optimizer) for `warm` steps, then for max(periods) more, recording each step's gradient blocks and
+    the blocks the parameters changed in over h steps. Blocks of 256 values over the parameters
+    flattened in reverse order (DDP's bucket order, as one bucket). Returns (Densities, numel)."""
+    import torch
+    from zerosum import costmodel as CM
+    from zerosum.examples import embedding, mlp
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=embedding.ROWS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--batch", type=int)
+    o, _ = p.parse_known_args(MODELS[example] + extra)
+    if example == "embedding":
+        make, batch = (lambda: embedding.Recommender(o.rows)), (lambda g, n: embedding.batch(g, n, o.rows))
+        loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+    else:
+        make, batch, loss_fn = mlp.model, mlp.batch, torch.nn.functional.cross_entropy
+    torch.manual_seed(o.seed)
+    initial = make()
+    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[o.optimizer]
+
+    def blocks(tensors):
+        flat = torch.cat([t.reshape(-1) for t in reversed(tensors)])
+        flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 256))
+        return (flat.reshape(-1, 256) != 0).any(1).numpy()
+
+    grads, changes = [], []
+    for rank in range(world):
+        import copy
+        model = copy.deepcopy(initial)
+        opt = opt_class(model.parameters(), lr=o.lr)
+        gen = torch.Generator().manual_seed(o.seed * 1000 + rank)
+        mine, change = [], {}
+        for step in range(warm + max(periods)):
+            if step == warm:
+                anchor = [q.detach().clone() for q in model.parameters()]
+            inputs, target = batch(gen, o.batch)
+            opt.zero_grad()
+            loss_fn(model(*inputs), target).backward()
+            if step >= warm:
+                mine.append(blocks([q.grad for q in model.parameters()]))
+            opt.step()
+            h = step - warm + 1
+            if h in periods:
+                change[h] = blocks([q.detach() - a for q, a in zip(model.parameters(), anchor)])
+        grads.append(mine)
+        changes.append(change)
+    own = {1: float(np.mean([g.mean() for mine in grads for g in mine]))}
+    union = {1: float(np.mean([np.any([grads[r][s] for r in range(world)], axis=0).mean()
+                               for s in range(max(periods))]))}
+    for h in periods[1:]:
+        own[h] = float(np.mean([c[h].mean() for c in changes]))
+        union[h] = float(np.any([c[h] for c in changes], axis=0).mean())
+    return CM.Densities(own, union), sum(q.numel() for q in initial.parameters())
+
+
+def predictions(rows: list[dict], densities, numel: int, world: int, rate: str) -> None:
+    """Add the cost model's bytes and step time to every row (the rate's link time on top of the
+    measured step time without exchange, 'local'; delayed: the larger of the two)."""
+    from zerosum import costmodel as CM
+    from zerosum.examples.schemes import parse
+    from shaped_network import _bits
+    local = next((r["step_ms"] for r in rows if r["scheme"] == "local"), None)
+    for r in rows:
+        s = parse(r["scheme"])
+        if s.kind == "local":
+            continue
+        extra = {"density": s.args[0]} if s.kind in ("topk", "dgc") else \
+            {"density": min(1.0, s.args[0] / world)} if s.kind == "diana" else \
+            {"period": int(s.args[0])} if s.kind == "localsgd" else {}
+        cost = CM.scheme_step(s.kind, numel, world, densities, **extra)
+        r["predicted_sent_mb"], r["predicted_received_mb"] = cost.sent / 1e6, cost.received / 1e6
+        if rate != "loopback" and local is not None:
+            link = CM.link_seconds(s.kind, cost, world, _bits(rate)) * 1e3
+            r["predicted_step_ms"] = max(local, link) if s.kind == "delayed" else local + link
+
+
 def smoothed(losses, window: int) -> np.ndarray:
     x = np.asarray(losses, float)
     c = np.cumsum(np.concatenate([[0.0], x]))
@@ -147,7 +228,10 @@ def run_experiment(exp: Experiment, args, extra: list[str]) -> dict:
         rep = launch(example, args.schemes or exp.schemes, args, extra)
         target = args.target if args.target is not None else target_of(rep["reports"], args.smooth)
         rows = [summarize(r, rep["world"], target, args.smooth) for r in rep["reports"]]
-        out["models"][example] = {"target": target, "settings": MODELS[example] + extra, "rows": rows,
+        densities, numel = profile(example, rep["world"], extra)
+        predictions(rows, densities, numel, rep["world"], args.rate)
+        out["models"][example] = {"target": target, "numel": numel,
+                                  "densities": {"own": densities.own, "union": densities.union}, "settings": MODELS[example] + extra, "rows": rows,
                                   "shaper_drops": rep.get("shaper_drops"),
                                   "socket_buffer_drops": rep.get("socket_buffer_drops")}
         print(table(rows, target))
@@ -157,16 +241,24 @@ def run_experiment(exp: Experiment, args, extra: list[str]) -> dict:
 def table(rows: list[dict], target: float) -> str:
     base = next((r for r in rows if r["scheme"] == "zerosum"), None)
     lines = [f"| scheme | MB sent / step | MB received / step | step (ms) | loss after {rows[0]['samples']:,} samples "
-             f"| wall-clock to loss {target:.4f} (s) | samples to it | time vs every-step ZeroSum |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| wall-clock to loss {target:.4f} (s) | samples to it | time vs every-step ZeroSum "
+             "| predicted MB sent (measured / predicted) | predicted step ms (measured / predicted) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         t, n = r["time_to_target_s"], r["samples_to_target"]
         ratio = (f"{t / base['time_to_target_s']:.2f}x" if t is not None and base and base["time_to_target_s"]
                  else "-")
         lines.append(f"| {r['scheme']} | {r['sent_mb']:.2f} | {r['received_mb']:.2f} | {r['step_ms']:.0f} | "
                      f"{r['final_loss']:.4f} | {'never' if t is None else f'{t:.1f}'} | "
-                     f"{'never' if n is None else f'{n:,}'} | {ratio} |")
+                     f"{'never' if n is None else f'{n:,}'} | {ratio} | {_predicted(r, 'sent_mb', 2)} | {_predicted(r, 'step_ms', 0)} |")
     return "\n".join(lines)
+
+
+def _predicted(row: dict, what: str, digits: int) -> str:
+    p = row.get(f"predicted_{what}")
+    if p is None:
+        return "-"
+    return f"{p:.{digits}f} ({row[what] / p:.2f}x)" if p > 0 else f"{p:.{digits}f}"
 
 
 def figure(result: dict, path: Path) -> None:
