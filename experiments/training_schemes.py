@@ -64,18 +64,18 @@ class Experiment:
 
 EXPERIMENTS = {
     "e6": Experiment("E6", "compressors in wall-clock time", "compression.md",
-                     "gloo,zerosum,topk:0.01,dgc:0.01,qsgd:4,terngrad,efsign,diana:1", 300,
+                     "local,gloo,zerosum,topk:0.01,dgc:0.01,qsgd:4,terngrad,efsign,diana:1", 300,
                      "each compressor through the real DDP hook (zerosum.torch.register(model, worker, "
                      "compressor)): top-k blocks with error feedback at density 0.01 (`topk:0.01`), DGC to "
                      "density 0.01 with its warm-up (`dgc:0.01`), QSGD with 4 levels, TernGrad, scaled sign "
                      "with error feedback (`efsign`), DIANA over random-k blocks with tau = ceil(m/W) "
                      "(`diana:1`), against uncompressed ZeroSum and gloo's ring allreduce"),
     "s1": Experiment("S1", "periodic model averaging (local SGD)", "sync.md",
-                     "gloo,zerosum,localsgd:2:10,localsgd:4:10,localsgd:8:10,localsgd:16:10", 300,
+                     "local,gloo,zerosum,localsgd:2:10,localsgd:4:10,localsgd:8:10,localsgd:16:10", 300,
                      "post-local SGD (zerosum.sync.PostLocalSGDState + PeriodicModelAverager): 10 warm-up steps "
                      "averaging gradients every step, then the model averaged every H steps (`localsgd:H:10`), "
                      "against every-step ZeroSum (H = 1) and gloo"),
-    "s3": Experiment("S3", "one-step delayed gradients", "sync.md", "zerosum,delayed", 300,
+    "s3": Experiment("S3", "one-step delayed gradients", "sync.md", "local,zerosum,delayed", 300,
                      "zerosum.sync.delayed_gradient_hook (step t applies the average of step t-1's gradients, "
                      "so each allreduce overlaps a whole step) against synchronous every-step ZeroSum"),
 }
