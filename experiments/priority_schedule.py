@@ -69,6 +69,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import update_sections  # noqa: E402
 
 VARIANTS = ("local", "ddp", "bucket", "priority", "hybrid")
 MARKER = "S2-RESULT "
@@ -321,8 +325,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--timeout", type=float, default=30.0, help="the workers' allreduce timeout")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--rate", help="run every rank and the aggregator on hosts of their own with links shaped "
-                    "to RATE (tc's notation, e.g. 1gbit; needs root)")
+    ap.add_argument("--rate", action="append", help="run every rank and the aggregator on hosts of their own "
+                    "with links shaped to RATE (tc's notation, e.g. 1gbit; needs root); repeat for several runs")
+    ap.add_argument("--doc", action="store_true", help="write the tables as section S2 of docs/sync.md "
+                    "(and the results to docs/s2.json)")
     ap.add_argument("--aggregator-rate", default="10gbit", help="the aggregator's link with --rate")
     ap.add_argument("--mtu", type=int, default=9000, help="link MTU with --rate")
     ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram (default 64 KiB; with "
@@ -343,13 +349,32 @@ def main(argv=None) -> int:
            "backward_layers": args.depth // 2 if args.backward_layers is None else args.backward_layers,
            "variants": variants, "seed": 0, "job": 7,
            "timeout": args.timeout, "max_datagram": args.max_datagram, "window": args.window}
-    if args.rate:
+    if args.rate and os.geteuid() != 0:
+        raise SystemExit("--rate needs root: it creates network namespaces, veth pairs, a bridge and tbf qdiscs")
+    results, ok = [], True
+    for rate in args.rate or [None]:
+        out = run_once(args, dict(cfg), rate)
+        results.append(out)
+        ok &= all(r["ranks_identical"] is not False for r in out["rows"]) and \
+            all(r["same_as_priority"] is not False for r in out["rows"] if r["variant"] in ("bucket", "hybrid"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f, indent=1)
+    if args.doc:
+        root = Path(__file__).resolve().parents[1]
+        (root / "docs" / "s2.json").write_text(json.dumps(results, indent=1))
+        update_sections(root / "docs" / "sync.md", section(results, " ".join(sys.argv[1:]) if argv is None
+                                                           else " ".join(argv)))
+    return 0 if ok else 1
+
+
+def run_once(args, cfg: dict, rate: str | None) -> dict:
+    if rate:
+        args.rate = rate
         if not args.max_datagram:
             cfg["max_datagram"] = args.mtu - 28
-        if os.geteuid() != 0:
-            raise SystemExit("--rate needs root: it creates network namespaces, veth pairs, a bridge and tbf qdiscs")
         out = _shaped(args, cfg)
-        where = f"links of {args.rate} (aggregator {args.aggregator_rate})"
+        where = f"links of {rate} (aggregator {args.aggregator_rate})"
     else:
         from zerosum.local import LocalAggregator
         from zerosum.udp import free_port
@@ -368,12 +393,33 @@ def main(argv=None) -> int:
         print(f"hybrid: {k} chunks during the backward pass ({'; '.join(hybrid['schedule'][:k])}), then forward order")
     print("retransmitted entries per rank:", [r["retransmitted"] for r in out["ranks"]],
           f"; packets dropped: {out['drops']}" if "drops" in out else "")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    ok = all(r["ranks_identical"] is not False for r in out["rows"]) and \
-        all(r["same_as_priority"] is not False for r in out["rows"] if r["variant"] in ("bucket", "hybrid"))
-    return 0 if ok else 1
+    return out
+
+
+def section(results: list, command: str) -> list[str]:
+    """Section S2 of docs/sync.md: one table per run."""
+    cfg = results[0]["config"]
+    lines = ["## S2: priority scheduling vs bucket order", "",
+             f"`python3 experiments/priority_schedule.py {command}` (its output): {cfg['world']} workers, an MLP of "
+             f"{cfg['depth']} Linear layers of {cfg['width']} x {cfg['width']} (ReLU, one output), SGD with momentum "
+             f"0.9, batch {cfg['batch']} per rank, chunks of {cfg['chunk_elems']:,} values, {cfg['steps']} steps after "
+             f"{cfg['warmup']}, median of {cfg['repeats']} interleaved repeats. Variants and columns as the "
+             "script's docstring defines them (exposed: time the training thread waited for communication; busy: "
+             "the communication thread's time in allreduces; hidden = 1 - exposed / busy). The CPU (2 cores) is "
+             "shared by all processes.", ""]
+    for out in results:
+        lines += [f"**{out['where']}**", "",
+                  "| variant | step ms | + over local ms | exposed ms | busy ms | hidden | MB sent / step | chunks "
+                  "| identical (ranks / priority) |", "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
+        for r in out["rows"]:
+            ms = lambda x: "-" if x is None else f"{x * 1e3:.0f}"    # noqa: E731
+            yn = lambda b: "-" if b is None else ("yes" if b else "no")   # noqa: E731
+            hidden = "-" if r["hidden"] is None else f"{r['hidden'] * 100:.0f} %"
+            lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {ms(r['over_local_s'])} | {ms(r['wait_s'])} | "
+                         f"{ms(r['busy_s'])} | {hidden} | {r['bytes'] / 1e6:.1f} | {r['chunks'] or '-'} | "
+                         f"{yn(r['ranks_identical'])} / {yn(r['same_as_priority'])} |")
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":
