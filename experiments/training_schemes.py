@@ -19,8 +19,8 @@ loss, smoothed by a trailing mean over --smooth steps; the target is the smoothe
 ZeroSum ("zerosum") reaches at 75 % of its steps, unless --target gives one. Wall-clock time counts the
 untimed warm-up steps (numba's and DDP's first-iteration work) at the scheme's steady step time.
 
-Writes docs/<experiment>.json and docs/<experiment>.png (loss against wall-clock time, one panel per
-model) and replaces the experiment's section in its document (E6: docs/compression.md; S1, S3:
+Writes docs/<experiment>_<where>.json and docs/<experiment>_<where>_<model>.png (loss against
+wall-clock time, one figure per model) and replaces the experiment's section in its document (E6: docs/compression.md; S1, S3:
 docs/sync.md). The CPU (2 cores here) is shared by every process, so the step times are upper bounds on
 what separate hosts take.
 """
@@ -242,12 +242,12 @@ def table(rows: list[dict], target: float) -> str:
     base = next((r for r in rows if r["scheme"] == "zerosum"), None)
     lines = [f"| scheme | MB sent / step | MB received / step | step (ms) | loss after {rows[0]['samples']:,} samples "
              f"| wall-clock to loss {target:.4f} (s) | samples to it | time vs every-step ZeroSum "
-             "| predicted MB sent (measured / predicted) | predicted step ms (measured / predicted) |",
+             "| MB sent: predicted (measured / predicted) | step ms: predicted (measured / predicted) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         t, n = r["time_to_target_s"], r["samples_to_target"]
         ratio = (f"{t / base['time_to_target_s']:.2f}x" if t is not None and base and base["time_to_target_s"]
-                 else "-")
+                 and r["scheme"] != "local" else "-")
         lines.append(f"| {r['scheme']} | {r['sent_mb']:.2f} | {r['received_mb']:.2f} | {r['step_ms']:.0f} | "
                      f"{r['final_loss']:.4f} | {'never' if t is None else f'{t:.1f}'} | "
                      f"{'never' if n is None else f'{n:,}'} | {ratio} | {_predicted(r, 'sent_mb', 2)} | {_predicted(r, 'step_ms', 0)} |")
@@ -261,36 +261,41 @@ def _predicted(row: dict, what: str, digits: int) -> str:
     return f"{p:.{digits}f} ({row[what] / p:.2f}x)" if p > 0 else f"{p:.{digits}f}"
 
 
-def figure(result: dict, path: Path) -> None:
+def figure(result: dict, example: str, path: Path) -> None:
+    """Loss against wall-clock time, one line per scheme, for one model."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    models = result["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
-    for ax, (example, m) in zip(axes[0], models.items()):
-        for r in m["rows"]:
-            ax.plot(r["curve"]["seconds"], r["curve"]["loss"], label=r["scheme"], lw=1.3)
-        ax.axhline(m["target"], color="grey", ls=":", lw=1)
-        ax.set_title(f"{example}: {result['workers']} workers, {result['rate']}")
-        ax.set_xlabel("wall-clock time (s)")
-        ax.set_ylabel(f"training loss (mean over ranks, {result['smooth']}-step mean)")
-        ax.legend(fontsize=8)
+    m = result["models"][example]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in m["rows"]:
+        ax.plot(r["curve"]["seconds"], r["curve"]["loss"], label=r["scheme"], lw=1.3)
+    ax.axhline(m["target"], color="grey", ls=":", lw=1, label="target")
+    ax.set_title(f"{result['experiment']}, {example}: {result['workers']} workers, {result['rate']}")
+    ax.set_xlabel("wall-clock time (s)")
+    ax.set_ylabel(f"training loss (mean over ranks, {result['smooth']}-step mean)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def section(exp: Experiment, result: dict, name: str) -> list[str]:
+def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]:
     where = ("loopback (every process on this machine's cores, no link limit)" if result["rate"] == "loopback"
              else f"links shaped to {result['rate']} both ways (experiments/shaped_network.py: a network "
                   "namespace per worker, veth, tbf; one aggregator on every worker's host)")
     key = exp.key + (" (loopback)" if result["rate"] == "loopback" else "")
     lines = [f"## {key}: {exp.title}", "",
-             f"`python3 experiments/training_schemes.py {exp.key.lower()}` (numbers below are its output): "
+             f"`python3 experiments/training_schemes.py {command}` (numbers below are its output): "
              f"{result['workers']} workers on {where}; {result['steps']} steps ({result['warmup']} untimed), "
              f"{exp.about}. Loss: the mean over ranks of each step's minibatch loss, {result['smooth']}-step "
              "trailing mean; target: the loss every-step ZeroSum reaches at 75 % of its steps. Wall-clock time "
-             "counts the warm-up steps at the steady step time. The CPU (2 cores) is shared by all processes. "
-             f"Figure: [{name}.png]({name}.png); data: [{name}.json]({name}.json).", ""]
+             "counts the warm-up steps at the steady step time. 'local' trains without any exchange (each rank "
+             "alone): the step time's floor, not a training scheme. Predictions: zerosum.costmodel from "
+             "block densities measured on the model (docs/sync.md). The CPU (2 cores) is shared by all processes. "
+             "Figures (loss against wall-clock time): " +
+             ", ".join(f"[{name}_{e}.png]({name}_{e}.png)" for e in result["models"]) +
+             f"; data: [{name}.json]({name}.json).", ""]
     for example, m in result["models"].items():
         drops = "" if m["shaper_drops"] is None else \
             f" Packets the shapers dropped over the run: {m['shaper_drops']}; socket-buffer drops: {m['socket_buffer_drops']}."
@@ -300,6 +305,7 @@ def section(exp: Experiment, result: dict, name: str) -> list[str]:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv_given = list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,8 +335,9 @@ def main(argv=None) -> int:
     name = args.out or f"{args.experiment}_{'loopback' if args.rate == 'loopback' else 'shaped'}"
     if name != "none":
         (DOCS / f"{name}.json").write_text(json.dumps(json_safe(result), indent=1))
-        figure(result, DOCS / f"{name}.png")
-        update_sections(DOCS / exp.doc, section(exp, result, name))
+        for example in result["models"]:
+            figure(result, example, DOCS / f"{name}_{example}.png")
+        update_sections(DOCS / exp.doc, section(exp, result, name, " ".join(argv_given)))
     return 0
 
 
