@@ -11,11 +11,18 @@ workers, plus a process firing garbage datagrams at the aggregator) and a job wh
 after joining. Prints per job: median allreduce time alone and together, the ratio, and whether every
 sum was exact; then the aggregator's counters (jobs started, ended, refused).
 
+Every rank computes its inputs and reference sums and loads the kernels first; the ranks of a phase
+then join and run at once, so the timed allreduces of the jobs overlap each other, not start-up work.
+A rank process that ends without a report (and was not meant to die) is reported as a crash with its
+exit code and stderr.
+
 On loopback every process shares the machine's cores, so "together" also measures CPU contention. With
 --rate every worker (and the garbage sender) runs in a network namespace of its own, on a link shaped
 to RATE both ways, and the aggregator on a host of its own with a --aggregator-rate link, as on a
 cluster where the aggregator is infrastructure: then a job's time is its workers' links, and "together"
-measures what the other jobs cost it through the aggregator.
+measures what the other jobs cost it through the aggregator. The workers then use a window (--window,
+by default 40 ms of RATE, within the shapers' 50 ms queues), and the script counts the packets the
+shapers and sockets dropped and the datagrams the hosts could not reassemble, per phase.
 """
 from __future__ import annotations
 
@@ -26,12 +33,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 JOBS = [(1, 2, 64), (2, 3, 256), (3, 4, 1024)]   # (job id, workers, block size)
 RESENT: dict[int, int] = {}                      # job -> entries its ranks retransmitted
+CRASHES: list[dict] = []                         # rank processes that ended without a report
+CPU: dict[int, list[float]] = {}                 # job -> CPU seconds per allreduce of each rank
+DROPS: dict[str, list[int]] = {}                 # phase -> packets dropped by shapers, sockets, reassembly (--rate)
 
 
 def _tensor(job, rank, round_, size, density, block):
@@ -42,24 +53,38 @@ def _tensor(job, rank, round_, size, density, block):
     return x
 
 
-def _rank(job, world, rank, block, address, size, density, rounds, loss, die, max_datagram=None) -> dict:
+def _rank(job, world, rank, block, address, size, density, rounds, loss, die, max_datagram=None, window=None,
+          barrier=False) -> dict:
+    """One rank: its inputs and the reference sums first, then (with `barrier`) "ready" on stdout and a
+    line on stdin to go on, so that the jobs of a phase join and run their timed allreduces at the same
+    time, not while other ranks still start up (imports, the kernels' cache, the inputs)."""
     import zerosum
     from zerosum.reference import reference_allreduce
+    from zerosum.warmup import warm_up
     try:
         extra = {} if max_datagram is None else {"max_datagram": max_datagram}
+        if window is not None:
+            extra["window"] = window
+        xs = [_tensor(job, rank, r, size, density, block) for r in range(rounds)]
+        refs = [reference_allreduce([_tensor(job, q, r, size, density, block) for q in range(world)], block)
+                for r in range(rounds)]
+        warm_up()
+        if barrier:
+            print("ready", flush=True)
+            sys.stdin.readline()
         with zerosum.Worker(rank, world, [address], job=job, block_size=block, loss=loss, timeout=10, **extra) as w:
             if die:
                 os._exit(0)      # dead after joining: no LEAVE
             times, exact = [], True
-            for r in range(rounds):
-                x = _tensor(job, rank, r, size, density, block)
+            cpu = time.process_time()
+            for x, ref in zip(xs, refs):
                 t = time.perf_counter()
                 got = w.allreduce(x)
                 times.append(time.perf_counter() - t)
-                ref = reference_allreduce([_tensor(job, q, r, size, density, block) for q in range(world)], block)
                 exact &= got.tobytes() == ref.tobytes()
+            cpu = (time.process_time() - cpu) / rounds
             return {"job": job, "rank": rank, "status": "ok", "value": statistics.median(times), "exact": exact,
-                    "retransmitted": w.stats.retransmitted_entries}
+                    "retransmitted": w.stats.retransmitted_entries, "cpu_s": cpu}
     except Exception as e:       # reported, not raised: the run goes on
         return {"job": job, "rank": rank, "status": "error", "value": f"{type(e).__name__}: {e}", "exact": False}
 
@@ -76,36 +101,87 @@ def _garbage(address, seconds):
 
 def _run(address, specs, args, where=lambda job, rank: []):
     """specs: (job, world, block, loss, dead ranks); each rank is a process of its own, started under
-    the command prefix `where(job, rank)` (a network namespace); returns {job: [reports]}."""
+    the command prefix `where(job, rank)` (a network namespace); returns {job: [reports]}. Every rank
+    prepares, then all join and run at once (see _rank).
+
+    Every rank process's return code and stderr are kept: a rank that was meant to die reports nothing,
+    any other rank that ends without a report (killed, crashed, or its command failed) is reported as a
+    "crash" with its return code and the tail of its stderr, never silently taken for a dead rank."""
     procs = []
     for job, world, block, loss, dead in specs:
         for r in range(world):
             one = [job, world, r, block, address, args.size, args.density, args.rounds, loss, r in dead,
-                   args.max_datagram]
-            procs.append(subprocess.Popen([*where(job, r), sys.executable, __file__, "--one-rank", json.dumps(one)],
-                                          stdout=subprocess.PIPE, text=True))
+                   args.max_datagram, args.window, True]
+            # -X faulthandler: a rank killed by a fatal signal leaves its Python traceback on stderr
+            cmd = [*where(job, r), sys.executable, "-X", "faulthandler", __file__, "--one-rank", json.dumps(one)]
+            err = tempfile.TemporaryFile("w+")
+            procs.append((job, r, r in dead, err, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                                    stderr=err, text=True)))
+    first = [p.stdout.readline() for *_, p in procs]   # "ready", or its report or nothing if it ended
+    for *_, p in procs:
+        try:
+            p.stdin.write("go\n")
+            p.stdin.close()
+        except OSError:              # it ended before the barrier: reported below
+            pass
+        p.stdin = None               # (communicate would flush it)
     out = {}
-    for p in procs:
-        text = p.communicate(timeout=300)[0].strip()
-        if text:                     # a dead rank reports nothing
-            rep = json.loads(text.splitlines()[-1])
+    for (job, r, dead, err, p), line in zip(procs, first):
+        text = p.communicate(timeout=300)[0]
+        if line.strip() != "ready":
+            text = line + text
+        err.seek(0)
+        err_text = err.read()
+        err.close()
+        lines = text.strip().splitlines()
+        if lines and lines[-1].startswith("{"):
+            rep = json.loads(lines[-1])
             out.setdefault(rep["job"], []).append((rep["rank"], rep["status"], rep["value"], rep["exact"]))
             RESENT[rep["job"]] = RESENT.get(rep["job"], 0) + rep.get("retransmitted", 0)
+            CPU.setdefault(rep["job"], []).append(rep.get("cpu_s", 0.0))
+        elif not dead or p.returncode != 0:
+            tail = " | ".join(err_text.strip().splitlines()[-12:]) or "no stderr"
+            out.setdefault(job, []).append((r, "crash", f"exited with code {p.returncode} without a report; "
+                                                        f"stderr: {tail}", False))
+            CRASHES.append({"job": job, "rank": r, "returncode": p.returncode, "stdout": text[-2000:],
+                            "stderr": err_text[-4000:]})
     return out
 
 
-def _scenario(address, args, where=lambda job, rank: [], noise=()) -> tuple[dict, dict]:
+def _scenario(address, args, where=lambda job, rank: [], noise=(), drops=None) -> tuple[dict, dict]:
+    """drops: with --rate, a function giving the packets dropped so far (shaper queues, socket buffers)
+    and the datagrams not reassembled, to count them per phase in DROPS."""
+    def measured(phase, *run):
+        before = drops() if drops else None
+        got = _run(*run)
+        if drops:
+            DROPS[phase] = [b - a for a, b in zip(before, drops())]
+        return got
+
     alone = {}
     for job, world, block in JOBS:
-        alone.update(_run(address, [(job, world, block, 0.0, ())], args, where))
+        alone.update(measured(f"job {job} alone", address, [(job, world, block, 0.0, ())], args, where))
     garbage = subprocess.Popen([*noise, sys.executable, __file__, "--garbage", address, "60"])
     try:
-        together = _run(address, [(job + 10, world, block, 0.0, ()) for job, world, block in JOBS]
-                        + [(20, 2, 256, 0.1, ()), (30, 2, 256, 0.0, (1,))], args, where)
+        together = measured("together", address, [(job + 10, world, block, 0.0, ()) for job, world, block in JOBS]
+                            + [(20, 2, 256, 0.1, ()), (30, 2, 256, 0.0, (1,))], args, where)
     finally:
         garbage.kill()
         garbage.wait()
     return alone, together
+
+
+def _reassembly_failures(namespaces) -> int:
+    """IP datagrams the hosts' kernels could not reassemble: a fragment was lost (the rest wait ipfrag_time,
+    30 s), or the host's reassembly memory (ipfrag_high_thresh, 4 MiB) was full, when every fragment is
+    dropped until incomplete datagrams time out."""
+    from shaped_network import sh
+    total = 0
+    for ns in namespaces:
+        lines = [line.split() for line in sh("ip", "netns", "exec", ns, "cat", "/proc/net/snmp").stdout.splitlines()
+                 if line.startswith("Ip:")]
+        total += int(dict(zip(*lines)).get("ReasmFails", 0)) if len(lines) == 2 else 0
+    return total
 
 
 def _shaped(args) -> tuple[dict, dict, dict]:
@@ -119,16 +195,21 @@ def _shaped(args) -> tuple[dict, dict, dict]:
     hosts = {"agg": "10.78.0.200", "noise": "10.78.0.201"}
     hosts.update({host_of(job, r): f"10.78.0.{i + 1}" for i, (job, r) in enumerate(ranks)})
     address = f"{hosts['agg']}:{DEFAULT_PORT}"
-    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate}) as (ns, drops):
-        agg = subprocess.Popen(["ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "aggregator",
-                                "--listen", address, "--max-job-slots", "1024", "--job-idle", "5"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = ["--listen", address, "--max-job-slots", "1024", "--job-idle", "5"]
+    if args.max_datagram:     # the results too: the worker's limit alone leaves them fragmented
+        cmd += ["--max-datagram", str(args.max_datagram)]
+    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate}) as (ns, drops), \
+            tempfile.TemporaryFile("w+") as log:   # not a pipe nobody reads: a full one would stop the aggregator
+        agg = subprocess.Popen(["ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "aggregator", *cmd],
+                               stdout=subprocess.DEVNULL, stderr=log, text=True)
         try:
             time.sleep(1.0)
             if agg.poll() is not None:
-                raise SystemExit(f"aggregator exited: {agg.stderr.read().strip()}")
+                log.seek(0)
+                raise SystemExit(f"aggregator exited: {log.read().strip()}")
             alone, together = _scenario(address, args, lambda job, r: ["ip", "netns", "exec", ns[host_of(job, r)]],
-                                        ["ip", "netns", "exec", ns["noise"]])
+                                        ["ip", "netns", "exec", ns["noise"]],
+                                        lambda: (*drops(), _reassembly_failures(ns.values())))
             counters = json.loads(sh("ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "stats",
                                      address).stdout)["counters"]
         finally:
@@ -147,8 +228,11 @@ def main(argv=None) -> int:
                     "(tc's notation, e.g. 50mbit; needs root)")
     ap.add_argument("--aggregator-rate", default="10gbit", help="the aggregator's link with --rate")
     ap.add_argument("--mtu", type=int, default=9000, help="link MTU with --rate")
-    ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram (default 64 KiB; with "
-                    "--rate, MTU - 28 avoids IP fragments)")
+    ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram, and with --rate the "
+                    "aggregator's (default 64 KiB; with --rate, MTU - 28 avoids IP fragments)")
+    ap.add_argument("--window", type=int, help="the workers' window in bytes (Worker(window=...)); with --rate "
+                    "the default is 40 ms of the link rate, within the shapers' queue of 50 ms (none on loopback; "
+                    "0: none)")
     ap.add_argument("--one-rank", help=argparse.SUPPRESS)
     ap.add_argument("--garbage", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -158,6 +242,12 @@ def main(argv=None) -> int:
     if args.garbage:
         _garbage(args.garbage[0], float(args.garbage[1]))
         return 0
+    load = [os.getloadavg()[0]]   # this machine's other work (the timings share its cores)
+    if args.window is None and args.rate:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from shaped_network import _bits
+        args.window = _bits(args.rate) // 8 * 40 // 1000
+    args.window = args.window or None
     if args.rate:
         if os.geteuid() != 0:
             raise SystemExit("--rate needs root: it creates network namespaces, veth pairs, a bridge and tbf qdiscs")
@@ -169,8 +259,11 @@ def main(argv=None) -> int:
             alone, together = _scenario(agg.address, args)
         finally:
             counters = agg.stop()
+    load.append(os.getloadavg()[0])
     rows = []
     where = f"links of {args.rate} (aggregator {args.aggregator_rate})" if args.rate else "loopback"
+    where += "".join(f", {name} {v} B" for name, v in (("window", args.window), ("datagrams of at most", args.max_datagram))
+                     if v)
     print(f"{where}: ", end="")
     print(f"{args.size:,} floats at density {args.density}, median of {args.rounds} allreduces, slowest rank")
     print(f"{'job':>4} {'workers':>7} {'block':>6} {'alone s':>8} {'together s':>10} {'ratio':>6} exact")
@@ -180,7 +273,12 @@ def main(argv=None) -> int:
         ok = all(s == "ok" and e for _, s, _, e in a + t)
         ta = max(v for _, s, v, _ in a if s == "ok") if all(s == "ok" for _, s, _, _ in a) else float("nan")
         tt = max(v for _, s, v, _ in t if s == "ok") if all(s == "ok" for _, s, _, _ in t) else float("nan")
-        rows.append({"job": job, "workers": world, "block": block, "alone_s": ta, "together_s": tt, "exact": ok})
+        ok &= len(a) == len(t) == world
+        rows.append({"job": job, "workers": world, "block": block, "alone_s": ta, "together_s": tt, "exact": ok,
+                     "retransmitted_alone": RESENT.get(job, 0), "retransmitted_together": RESENT.get(job + 10, 0),
+                     "cpu_alone_s": max(CPU.get(job, [0.0])), "cpu_together_s": max(CPU.get(job + 10, [0.0])),
+                     "failures": [f"{phase}, rank {rank}: {value}" for phase, runs in (("alone", a), ("together", t))
+                                  for rank, status, value, _ in runs if status != "ok"]})
         print(f"{job:>4} {world:>7} {block:>6} {ta:>8.4f} {tt:>10.4f} {tt / ta:>5.2f}x {'yes' if ok else 'NO'}")
     for job, _, _ in JOBS:
         for phase, runs in (("alone", alone.get(job, [])), ("together", together.get(job + 10, []))):
@@ -189,15 +287,25 @@ def main(argv=None) -> int:
                     print(f"job {job} {phase}, rank {rank}: {value}")
     print("entries retransmitted, alone / together:",
           ", ".join(f"job {job}: {RESENT.get(job, 0)} / {RESENT.get(job + 10, 0)}" for job, _, _ in JOBS))
+    print("CPU seconds per allreduce (busiest rank), alone / together:",
+          ", ".join(f"job {r['job']}: {r['cpu_alone_s']:.3f} / {r['cpu_together_s']:.3f}" for r in rows))
     noisy = together.get(20, [])
     dead = together.get(30, [])
     print("noisy job (10 % loss, garbage alongside):",
           "exact" if noisy and all(s == "ok" and e for _, s, _, e in noisy) else noisy)
     print("job with a dead rank:", "; ".join(str(v) for _, _, v, _ in dead))
+    for c in CRASHES:
+        print(f"CRASH: job {c['job']} rank {c['rank']} exited with code {c['returncode']} without a report; "
+              f"stderr:\n{c['stderr'].rstrip() or '(empty)'}")
+    if DROPS:
+        print("dropped (shaper queues, socket buffers, datagrams not reassembled):",
+              "; ".join(f"{phase}: {', '.join(map(str, d))}" for phase, d in DROPS.items()))
+    print(f"load average (1 min) of this machine at the start and the end: {load[0]:.1f}, {load[1]:.1f}")
     print("aggregator:", json.dumps({k: v for k, v in counters.items() if k.startswith(("jobs", "joins", "drop"))}))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"where": where, "rows": rows, "counters": counters}, f, indent=1)
+            json.dump({"where": where, "max_datagram": args.max_datagram, "window": args.window, "rows": rows,
+                       "counters": counters, "drops": DROPS, "crashes": CRASHES, "load_average_1min": load}, f, indent=1)
     return 0 if all(r["exact"] for r in rows) else 1
 
 

@@ -42,7 +42,13 @@ class AggregatorServer:
     def __init__(self, workers: int | None = None, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
                  slots: int = 8192, loss: float = 0.0, seed: int | None = None, *, max_jobs: int = 16,
                  min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0,
-                 key: bytes | None = None, declared: dict[int, int] | None = None):
+                 key: bytes | None = None, declared: dict[int, int] | None = None,
+                 max_datagram: int = P.MAX_DATAGRAM):
+        """max_datagram: the largest RESULT/STATUS datagram sent (UDP payload bytes); on links whose MTU
+        is smaller than 64 KiB, MTU - 28 keeps results from being IP-fragmented (docs/protocol.md, "Fusion")."""
+        if not P.PACKET_HEADER_SIZE + P.ENTRY_SIZE <= max_datagram <= P.MAX_DATAGRAM:
+            raise ValueError(f"max_datagram must be {P.PACKET_HEADER_SIZE + P.ENTRY_SIZE}..{P.MAX_DATAGRAM} "
+                             f"bytes, got {max_datagram}")
         self.address = parse_address(listen)
         warm_up()     # compile the kernels before any worker can be waiting for this aggregator
         max_job_slots = min(slots, max_job_slots or 2048)
@@ -60,7 +66,7 @@ class AggregatorServer:
                                          min_job_slots=min(min_job_slots, granted), max_job_slots=granted,
                                          job_idle=job_idle,
                                          declared=declared or ({job: workers} if workers else None),
-                                         key=key)
+                                         key=key, max_datagram=max_datagram)
         self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)
         self.address = self.sock.getsockname()

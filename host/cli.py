@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--key-file", metavar="FILE",
                    help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY), or a JSON object "
                         "of per-job secrets {\"JOB\": \"secret\"}: only JOINs with its HMAC are admitted")
+    a.add_argument("--max-datagram", type=_positive_int, default=P.MAX_DATAGRAM, metavar="BYTES",
+                   help="largest datagram sent (default 65507); MTU - 28 keeps results from being "
+                        "IP-fragmented (lost fragments fill the workers' reassembly memory)")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", "--stats-interval", dest="stats", type=float, default=0.0, metavar="SECONDS",
@@ -188,7 +191,7 @@ def _aggregator(args) -> int:
     server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
                               max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
                               max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key,
-                              declared=declared)
+                              declared=declared, max_datagram=args.max_datagram)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address

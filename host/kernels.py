@@ -494,19 +494,37 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
 
 
 @njit(**JIT)
-def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now):
-    """The ready columns, grouped by aggregator (in `cols`), with their timers started; returns the count."""
+def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted):
+    """The ready columns, grouped by aggregator (in `cols`), with their timers started; returns the count.
+    Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's window)."""
     S = ready.shape[0]
     k = 0
     for a in range(aggregators):
         for c in range(a, S, aggregators):
-            if ready[c]:
+            if ready[c] and (c < admitted or round_block[c] == BOOT):
                 ready[c] = False
                 cols[k] = c
                 deadline[c] = now + rto[c]
                 sent_at[c] = now
                 k += 1
     return k
+
+
+@njit(**JIT)
+def admit(round_block, admitted, window):
+    """The worker's window: columns are admitted in index order, the same on every worker, and stay
+    admitted; return the shortest prefix (at least `admitted`) holding `window` columns that have not
+    reached END, or all of them."""
+    S = round_block.shape[0]
+    open_ = 0
+    for c in range(admitted):
+        if round_block[c] != END:
+            open_ += 1
+    while admitted < S and open_ < window:
+        if round_block[admitted] != END:
+            open_ += 1
+        admitted += 1
+    return admitted
 
 
 @njit(**JIT)

@@ -15,6 +15,9 @@ environment variables:
     ZEROSUM_BLOCK_SIZE   values per block (default 256)
     ZEROSUM_TIMEOUT      seconds without progress before an allreduce fails (default 30)
     ZEROSUM_KEY          a secret shared with the aggregators (their --key-file): authenticated JOINs
+    ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): on links slower than the
+                         aggregator's, about the link's bandwidth-delay product plus what its port queues
+    ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
 
 The hook's state goes into training checkpoints (`HookState.state_dict()` / `load_state_dict()`), and
 the hook works under torch's `Join` context manager (uneven inputs). Periodic model averaging (local
@@ -524,7 +527,10 @@ def worker_from_env(store, rank: int, world_size: int):
     worker = Worker(rank, world_size, aggregators, job=job,
                     block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
-                    key=os.environ.get("ZEROSUM_KEY") or None)
+                    key=os.environ.get("ZEROSUM_KEY") or None,
+                    window=int(os.environ["ZEROSUM_WINDOW"]) if os.environ.get("ZEROSUM_WINDOW") else None,
+                    **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}
+                       if os.environ.get("ZEROSUM_MAX_DATAGRAM") else {}))
     worker.open()
     return worker, local
 

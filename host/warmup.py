@@ -31,7 +31,7 @@ def warm_up() -> None:
     for dtype, collect, buffer in itertools.product((np.float32, np.int32), (False, True), (bytes, bytearray)):
         if True:
             agg = AggregatorMachine(1, 1, slots=2)
-            cfg = WorkerConfig(rank=0, world=1, job=1, block_size=B)
+            cfg = WorkerConfig(rank=0, world=1, job=1, block_size=B, window=1 if buffer is bytes else None)
             join = JoinMachine(cfg, 1, 1, 0.0)
             for _, d in join.datagrams_to_send(0.0):
                 for _, ack in agg.receive(d, "w"):

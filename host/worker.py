@@ -1,6 +1,7 @@
 """`zerosum.Worker`: the public API. Drives the worker state machine over a UDP socket."""
 from __future__ import annotations
 
+import numbers
 import socket
 import sys
 import time
@@ -45,12 +46,18 @@ class Worker:
         only holders of the key can join as a rank or restart the job (DATA is not authenticated).
     gather_on_device: for torch tensors, detect and gather non-zero blocks with torch on the tensor's
         device and copy only those to the host (default: for non-CPU tensors; True forces it on CPU).
+    window: bytes in flight at most (docs/protocol.md, R-L6): the entries of at most window / (16 +
+        4 * block_size) columns are out at once, and so are their results, which is what the link to
+        this worker must queue. None (the default): every column at once, as fast as the socket takes
+        them. On a link slower than the aggregator's, give about its bandwidth-delay product plus
+        what its switch port (or shaper) can queue, e.g. 250,000 bytes for 50 Mbit/s and a 50 ms queue.
     """
 
     def __init__(self, rank: int, world_size: int, aggregators=("127.0.0.1:48879",), job: int = 1,
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int = P.MAX_DATAGRAM,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
-                 gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None):
+                 gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
+                 window: int | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -67,13 +74,18 @@ class Worker:
         self.aggregators = [parse_address(a) for a in aggregators]
         if not 1 <= max_entries <= 0xFFFF:
             raise ValueError(f"max_entries must be 1..65535, got {max_entries}")
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+                raise ValueError(f"window must be a positive number of bytes or None, got {window!r}")
+            window = int(window)
         if isinstance(key, str):
             key = key.encode()
         if key is not None and not key:
             raise ValueError("key must not be empty (pass None for no key)")
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
-                                   rto=rto, timeout=timeout, aggregator_names=self.aggregator_names)
+                                   rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
+                                   window=window)
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
         self.timeout = timeout

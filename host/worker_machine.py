@@ -46,6 +46,7 @@ class WorkerConfig:
     block_size: int = 256
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
     key: bytes | None = None   # shared with the aggregators: JOINs carry an HMAC (docs/protocol.md, "Admission")
+    window: int | None = None  # bytes of entries in flight at most (R-L6 in docs/protocol.md); None: every column
 
 
 class JoinMachine:
@@ -182,6 +183,11 @@ class AllreduceMachine:
         self.status_seen = np.zeros(S, bool)
         self.ready = np.zeros(S, bool)             # columns whose next round's entry is still to send
         self.columns_of = [np.arange(a, S, A) for a in range(A)]
+        # The window (R-L6): at most `window` columns past their bootstrap in flight, admitted in column
+        # order; a column stays admitted until it ends. `admitted` columns (a prefix) may send.
+        entry = P.ENTRY_SIZE + 4 * self.B
+        self.window_columns = S if config.window is None else int(min(S, max(1, config.window // entry)))
+        self.admitted = S if self.window_columns >= S else 0
         self.slots_used = [layout.slots_used(a) for a in range(A)]
         self._seen = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
         self._stamp = 0
@@ -243,8 +249,10 @@ class AllreduceMachine:
 
     def flush(self, now: float) -> list[tuple[int, memoryview]]:
         """Send the next round's entries of every column that got its result since the last flush."""
+        if self.admitted < self.layout.columns:
+            self.admitted = K.admit(self.round_block, self.admitted, self.window_columns)
         n = K.take_ready(self.ready, self._cols, self.layout.aggregators, self.deadline, self.sent_at,
-                         self.rto, now)
+                         self.rto, now, self.round_block, self.admitted)
         return self._send(n) if n else []
 
     def poll(self, now: float) -> list[tuple[int, memoryview]]:
@@ -296,7 +304,8 @@ class AllreduceMachine:
             # The aggregator holds our entry and waits for others: back off every pending column.
             self.probe[a] = -1
             cols = self.columns_of[a]
-            pending = cols[self.round_block[cols] != P.END]
+            # (not the columns the window holds back: they have nothing in flight)
+            pending = cols[(self.round_block[cols] != P.END) & ~(self.ready[cols] & (cols >= self.admitted))]
             self.rto[pending] = np.minimum(self.rto[pending] * 2, self.cfg.max_rto)
             self.deadline[pending] = np.maximum(self.deadline[pending], now + self.rto[pending])
         elif self.round_block[p] == P.END or not np.isfinite(self.deadline[p]) or self.ready[p]:

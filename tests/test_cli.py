@@ -22,6 +22,7 @@ def test_help(cmd):
     (["aggregator", "--workers", "2", "--listen", "127.0.0.1:99999"], "bad port"),
     (["aggregator", "--workers", "40"], "at most 32"),
     (["aggregator", "--workers", "2", "--loss", "150%"], "loss must be"),
+    (["aggregator", "--max-datagram", "30"], "max_datagram must be"),
     (["bench", "--densities", "0.5,2"], "densities must be in"),
     (["bench", "--workers", "40", "--no-baseline"], "at most 32"),
     (["check", "--rank", "3", "--world", "2"], "--rank must be"),

@@ -272,6 +272,24 @@ def test_backend_with_an_external_aggregator():
     assert counters.get("rounds", 0) > 0
 
 
+def test_worker_from_env_takes_window_and_max_datagram(monkeypatch):
+    agg = Aggregator(1, job=8)
+    try:
+        monkeypatch.setenv("ZEROSUM_AGGREGATORS", agg.address)
+        monkeypatch.setenv("ZEROSUM_JOB", "8")
+        monkeypatch.setenv("ZEROSUM_WINDOW", "65536")
+        monkeypatch.setenv("ZEROSUM_MAX_DATAGRAM", "8972")
+        worker, local = zt.worker_from_env(None, 0, 1)
+        try:
+            assert local is None
+            assert (worker.config.window, worker.config.max_datagram) == (65536, 8972)
+            assert np.array_equal(worker.allreduce(np.arange(5000, dtype=np.float32)), np.arange(5000))
+        finally:
+            worker.close()
+    finally:
+        agg.stop()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_device_path():
     a = Aggregator(1)

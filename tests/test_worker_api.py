@@ -83,6 +83,59 @@ def test_average_equals_the_sum_divided_by_the_world(agg3):
             assert r.dtype == np.float32 and r.tobytes() == expect.tobytes()
 
 
+def test_window_and_small_datagrams_end_to_end():
+    """A window (R-L6) and an aggregator whose datagrams fit a 1500-byte MTU (--max-datagram): exact sums,
+    no result datagram above the limit (a worker's max_datagram alone leaves the results IP-fragmented,
+    and lost fragments can fill a host's reassembly memory, after which it drops every fragment)."""
+    from zerosum.aggregator import AggregatorServer
+    server = AggregatorServer(3, listen="127.0.0.1:0", slots=64, max_datagram=1472)
+    sizes = []
+    send = server._send
+
+    def recording(out):
+        out = list(out)
+        sizes.extend(len(data) for _, data in out)
+        send(out)
+
+    server._send = recording
+    stopping = []
+    thread = threading.Thread(target=server.serve, kwargs=dict(stop=lambda: bool(stopping)), daemon=True)
+    thread.start()
+    try:
+        address = "%s:%d" % server.address
+        xs = [sparse_tensor(r, 4, 64 * 900, 0.3, 64) for r in range(3)]
+        windows = [4096, 20000, None]
+
+        def fn(rank, w):
+            assert w.config.window == windows[rank]
+            return [w.allreduce(xs[rank]) for _ in range(2)]
+
+        results = []
+        errors = []
+
+        def body(rank):
+            try:
+                with zerosum.Worker(rank, 3, [address], block_size=64, max_datagram=1472, window=windows[rank],
+                                    timeout=20) as w:
+                    results.append(fn(rank, w))
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        ref = reference_allreduce(xs, 64)
+        assert len(results) == 3 and all(np.array_equal(o, ref) for r in results for o in r)
+        assert sizes and max(sizes) <= 1472
+    finally:
+        stopping.append(1)
+        thread.join(5)
+        server.close()
+
+
 def test_bad_arguments(agg3):
     with pytest.raises(ValueError, match="rank must be"):
         zerosum.Worker(3, 3, [agg3.address])
@@ -92,6 +145,9 @@ def test_bad_arguments(agg3):
         zerosum.Worker(0, 3, ["127.0.0.1:99999"])
     with pytest.raises(ValueError, match="cannot carry one block"):
         zerosum.Worker(0, 3, [agg3.address], block_size=256, max_datagram=600)
+    for window in (0, -5, 1.5, True, "64k"):
+        with pytest.raises(ValueError, match="window must be"):
+            zerosum.Worker(0, 3, [agg3.address], window=window)
     w = zerosum.Worker(0, 3, [agg3.address])
     with pytest.raises(zerosum.ZeroSumError, match="not open"):
         w.allreduce(np.zeros(4, np.float32))
