@@ -6,8 +6,8 @@ pool when it is admitted: its fair share of the pool (the pool divided by the jo
 included), at least `min_job_slots` and at most `max_job_slots`, taken from the slots still free. A JOIN
 that cannot be admitted (`max_jobs` served, or fewer than `min_job_slots` free) is answered with REFUSED,
 which the workers raise as an error ("aggregator full: N jobs, M slots in use"), not a timeout. A job
-ends, and its slots return to the pool, when all its ranks have sent LEAVE or when it has been silent
-for `job_idle` seconds; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
+ends, and its slots return to the pool, when all its ranks have sent LEAVE or (unless it was declared)
+when it has been silent for `job_idle` seconds; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
 a dead rank, a JOIN storm) never touches another job's slots.
 
 Admission: with a `key`, a JOIN must carry HMAC-SHA256(key, its header) (else drop_auth), and a nonce
@@ -147,16 +147,20 @@ class AggregatorService:
         """End the jobs silent for job_idle seconds (a dead job's slots return to the pool)."""
         if not self.job_idle:
             return []
-        gone = [job for job, j in self.jobs.items() if now - j.last_heard >= self.job_idle]
+        # A declared job is the operator's (like a switch's configured job): a pause in training longer
+        # than job_idle must not end it under its live workers; it ends when all its ranks LEAVE.
+        gone = [job for job, j in self.jobs.items()
+                if job not in self.declared and now - j.last_heard >= self.job_idle]
         for job in gone:
             self._end(job)
         return gone
 
     def timer(self) -> float:
         """When `expire` next has work (inf without job_idle or jobs)."""
-        if not self.job_idle or not self.jobs:
+        heard = [j.last_heard for job, j in self.jobs.items() if job not in self.declared]
+        if not self.job_idle or not heard:
             return float("inf")
-        return min(j.last_heard for j in self.jobs.values()) + self.job_idle
+        return min(heard) + self.job_idle
 
     # -- admission ----------------------------------------------------------------------------------
     def _admissible(self, datagram, job_id: int, rank: int, nonce: int) -> bool:

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a job is refused when fewer slots than this are free")
     a.add_argument("--max-job-slots", type=_positive_int, default=2048, help="most slots one job gets")
     a.add_argument("--job-idle", type=float, default=60.0, metavar="SECONDS",
-                   help="a job silent this long ends and frees its slots (0: only when all ranks leave)")
+                   help="a job silent this long ends and frees its slots (0: only when all ranks leave; "
+                        "jobs declared with --job/--jobs end only when all their ranks leave)")
     a.add_argument("--key-file", metavar="FILE",
                    help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY), or a JSON object "
                         "of per-job secrets {\"JOB\": \"secret\"}: only JOINs with its HMAC are admitted")

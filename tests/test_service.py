@@ -73,6 +73,16 @@ def test_a_leave_from_a_stranger_changes_nothing_and_idle_jobs_expire():
     assert s.counters["joins"] == 3
 
 
+def test_a_declared_job_outlives_a_pause_longer_than_job_idle():
+    """A declared job (zerosum aggregator --job J --workers N) is the operator's: silence past job_idle
+    (a long evaluation between allreduces) does not end it; a job its JOINs created does end."""
+    s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128, job_idle=10.0, declared={5: 2})
+    _join(s, 5, 2, now=0.0)
+    _join(s, 6, 2, now=0.0)
+    assert s.timer() == 11.0 and s.expire(100.0) == [6]
+    assert 5 in s.jobs and s.timer() == float("inf")
+
+
 def test_datagrams_for_no_job_and_declared_world_mismatch_are_counted_drops():
     s = AggregatorService(slots=128, min_job_slots=64, declared={5: 3})
     data = P.encode(P.Header(P.DATA, 9, 0, 2, 1, 4, 4, 0))
