@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,8 @@ def run(rate: str, workers: int, aggregators: int, example: str, mtu: int, examp
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    # killed (SIGTERM): unwind, so that shaped_star removes its namespaces, bridge and firewall rule
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     example_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -306,6 +307,8 @@ def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv_given = list(argv)
+    # killed (SIGTERM): unwind, so that shaped_star removes its namespaces, bridge and firewall rule
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
