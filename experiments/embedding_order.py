@@ -2,12 +2,21 @@
 
     python3 experiments/embedding_order.py                  # 4 workers, 4 tables of 100k x 32, 30 steps
     python3 experiments/embedding_order.py --rows 1000000 --steps 12
+    sudo python3 experiments/embedding_order.py --rate 1gbit --ids zipf    # over shaped links
+    sudo python3 experiments/embedding_order.py --rate 1gbit --window 1000000
 
 The model, data and training loop are zerosum.examples.embedding's (4 EmbeddingBag tables of --rows x
 32, 2 Zipf-like lookups per table and sample, id = rows * u^3 with u uniform, a small MLP on top, batch
 256 per worker, SGD lr 0.5), trained by W worker processes whose flattened gradient (the 4 tables, then
 the MLP) is averaged through zerosum.Worker.allreduce (block size 256 = 8 rows of 32) against one local
-aggregator process on loopback. The rows of every table are stored in one of three orders:
+aggregator process on loopback. With --rate (needs root and iproute2) every worker process runs on a
+host of its own and the aggregator on another: network namespaces joined by a bridge, each with one
+veth link shaped to RATE both ways by a token bucket (experiments/shaped_network.py's shaped_star;
+MTU --mtu, default 9000), the aggregator's link at --aggregator-rate (default: RATE too, one NIC of
+the same speed per host); --window BYTES gives the workers a window of results in flight
+(zerosum.Worker(window=...)). The CPU is still shared by all processes (and by whatever else runs on the
+machine), so the step times are an upper bound on what separate hosts get. The rows of every table
+are stored in one of three orders:
 
 - generated:  the example's own numbering, which is already hottest-first (id = rows * u^3)
 - random:     a random order per table, as hashed ids would be: the baseline
@@ -21,18 +30,27 @@ agree (up to ZeroSum's fixed-point rounding, which depends on which values share
 final tables, mapped back, agree too. Measured: non-zero blocks of a worker's table gradient per step
 (density = share of the tables' blocks), the aggregator's rounds per step, bytes sent and received per
 worker and step, step time (the slowest rank; median of --repeats runs in alternating order), and the
-set-up time of the frequency order.
+set-up time of the frequency order, the entries the workers retransmitted, the results the aggregator
+could not send (its send buffer full: "send_errors", lost before any link), and the machine's 1-minute
+load average after each run (the CPU is shared with whatever else runs); with --rate also the packets
+the shapers dropped and the UDP datagrams dropped by full socket receive buffers.
 
-Writes docs/embedding_order.json and adds E8 to the figure docs/embedding_order.png.
+Writes docs/embedding_order.json and the figure docs/embedding_order.png. The JSON keeps the rows of
+other networks: a run replaces only the rows of its own ("where": "loopback" or "RATE", then
+", aggregator RATE2" and ", window BYTES" if given), so the loopback and shaped runs can be made
+separately; the figure shows every network in the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +130,8 @@ def _train(torch, zerosum, rank, world, cfg) -> dict:
         p.grad = v                                  # backward accumulates into the flat buffer
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     losses, step_s, comm_s, blocks = [], [], [], []
-    with zerosum.Worker(rank, world, [cfg["address"]], job=cfg["job"], block_size=BLOCK, timeout=60) as w:
+    extra = {k: cfg[k] for k in ("max_datagram", "window") if cfg.get(k)}
+    with zerosum.Worker(rank, world, [cfg["address"]], job=cfg["job"], block_size=BLOCK, timeout=60, **extra) as w:
         before = (w.stats.bytes_sent, w.stats.bytes_received, w.stats.datagrams_sent)
         for s in range(steps):
             (ids,), clicks = batch(gen, size)
@@ -171,51 +190,101 @@ def orders(batch, rows: int, batch_size: int, profile: int, seed: int) -> dict:
             "frequency": (frequency, t1 - t0, t2 - t1)}
 
 
-def run_ids(ids, args, agg, tmp, job0):
-    """Train with every order on one id distribution; returns the rows of the table."""
+@contextmanager
+def network(args):
+    """The aggregator and where the ranks run: (aggregator, where(rank) -> command prefix, drops() ->
+    (shaper drops, socket buffer drops) so far). Loopback, or with --rate a host (network namespace)
+    per worker and one for the aggregator on shaped links."""
+    from zerosum.local import LocalAggregator
+    if not args.rate:
+        agg = LocalAggregator(None)
+        try:
+            yield agg, lambda rank: [], lambda: (0, 0)
+        finally:
+            agg.stop()
+        return
+    from shaped_network import aggregator_ip, shaped_star, worker_ip
+    from zerosum.spec import DEFAULT_PORT
+    hosts = {"agg": aggregator_ip(0), **{f"w{r}": worker_ip(r) for r in range(args.workers)}}
+    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate or args.rate}) as (ns, drops):
+        agg = LocalAggregator(None, listen=f"{hosts['agg']}:{DEFAULT_PORT}", prefix=["ip", "netns", "exec", ns["agg"]])
+        try:
+            yield agg, lambda rank: ["ip", "netns", "exec", ns[f"w{rank}"]], drops
+        finally:
+            agg.stop()
+
+
+def where_label(args) -> str:
+    """The network's name in the results: "loopback" or RATE, then ", aggregator RATE2" (another rate
+    for the aggregator) and ", window BYTES" (the workers' window) if given."""
+    label = args.rate or "loopback"
+    if args.rate and (args.aggregator_rate or args.rate) != args.rate:
+        label += f", aggregator {args.aggregator_rate}"
+    return label + (f", window {args.window}" if args.window else "")
+
+
+def run_ids(ids, args, net, tmp, job0):
+    """Train with every order on one id distribution on the network `net` (see network()); returns the
+    rows of the table."""
     from zerosum.examples.embedding import TABLES
     made = orders(batch_fn(ids, args.rows, args.zipf), args.rows, args.batch, args.profile, args.seed)
     paths = {}
     for name, (perms, _, _) in made.items():
         paths[name] = os.path.join(tmp, f"{ids}-{name}.npz")
         np.savez(paths[name], **{f"order{t}": perms[t].inverse for t in range(TABLES)})
+    agg, where, drops = net
     runs = {o: [] for o in ORDERS}
     job = job0
-    ranks = Ranks(__file__, RESULT, args.workers)
+    ranks = Ranks(__file__, RESULT, args.workers, where=where)
     try:
         for rep in range(args.repeats):
             for name in (ORDERS if rep % 2 == 0 else ORDERS[::-1]):
                 cfg = {"orders": paths[name], "address": agg.address, "job": job, "rows": args.rows,
                        "steps": args.steps, "lr": args.lr, "batch": args.batch, "seed": args.seed,
-                       "ids": ids, "zipf": args.zipf, "params_out": os.path.join(tmp, f"{ids}-{name}-params.npy")}
+                       "ids": ids, "zipf": args.zipf, "params_out": os.path.join(tmp, f"{ids}-{name}-params.npy"),
+                       "max_datagram": args.max_datagram, "window": args.window}
                 job += 1
-                c0 = agg.snapshot()
+                c0, d0 = agg.snapshot(), drops()
                 t0 = time.perf_counter()
                 reports = ranks.run(cfg)
                 wall = time.perf_counter() - t0
-                c1 = agg.snapshot()
-                runs[name].append((reports, (c1.get("rounds", 0) - c0.get("rounds", 0)) / args.steps))
-                print(f"  ids {ids:<5} {name:<10} run {rep + 1}: step "
-                      f"{max(r['step_s'] for r in reports) * 1e3:7.1f} ms ({wall:.1f} s)", flush=True)
+                c1, d1 = agg.snapshot(), drops()
+                # packets the shapers dropped, datagrams full receive buffers dropped, results the aggregator
+                # could not send (its send buffer full: lost before any shaper sees them), the machine's load
+                lost = (d1[0] - d0[0], d1[1] - d0[1], c1.get("send_errors", 0) - c0.get("send_errors", 0),
+                        os.getloadavg()[0])
+                runs[name].append((reports, (c1.get("rounds", 0) - c0.get("rounds", 0)) / args.steps, lost))
+                print(f"  {where_label(args)}: ids {ids:<5} {name:<10} run {rep + 1}: step "
+                      f"{max(r['step_s'] for r in reports) * 1e3:7.1f} ms ({wall:.1f} s), retransmitted "
+                      f"{sum(r['retransmitted'] for r in reports)} entries, aggregator send errors {lost[2]}, "
+                      f"load {lost[3]:.1f}"
+                      + (f", shaper drops {lost[0]}, socket buffer drops {lost[1]}" if args.rate else ""), flush=True)
     finally:
         ranks.close()
     params = {name: np.load(os.path.join(tmp, f"{ids}-{name}-params.npy")) for name in ORDERS}
     rows = []
     for name in ORDERS:
-        reports, rounds = runs[name][0]
+        reports, rounds, _ = runs[name][0]
         losses = np.mean([r["losses"] for r in reports], axis=0)
-        steps = [max(r["step_s"] for r in rep) for rep, _ in runs[name]]
+        steps = [max(r["step_s"] for r in rep) for rep, _, _ in runs[name]]
         blocks = float(np.mean([r["blocks"] for r in reports]))
-        rows.append({"ids": ids, "order": name, "setup_profile_s": made[name][1], "setup_sort_s": made[name][2],
+        rows.append({"where": where_label(args), "rate": args.rate,
+                     "aggregator_rate": (args.aggregator_rate or args.rate) if args.rate else None,
+                     "mtu": args.mtu if args.rate else None, "ids": ids, "order": name,
+                     "setup_profile_s": made[name][1], "setup_sort_s": made[name][2],
                      "blocks": blocks, "table_blocks": reports[0]["table_blocks"],
                      "density": blocks / reports[0]["table_blocks"],
                      "rounds": rounds, "sent": float(np.mean([r["sent"] for r in reports])),
                      "received": float(np.mean([r["received"] for r in reports])),
                      "datagrams": float(np.mean([r["datagrams"] for r in reports])),
                      "step_s": float(np.median(steps)), "step_s_runs": steps,
-                     "comm_s": float(np.median([max(r["comm_s"] for r in rep) for rep, _ in runs[name]])),
-                     "compute_s": float(np.median([max(r["compute_s"] for r in rep) for rep, _ in runs[name]])),
-                     "retransmitted": int(sum(r["retransmitted"] for rep, _ in runs[name] for r in rep)),
+                     "comm_s": float(np.median([max(r["comm_s"] for r in rep) for rep, _, _ in runs[name]])),
+                     "compute_s": float(np.median([max(r["compute_s"] for r in rep) for rep, _, _ in runs[name]])),
+                     "retransmitted": int(sum(r["retransmitted"] for rep, _, _ in runs[name] for r in rep)),
+                     "shaper_drops": int(sum(lost[0] for _, _, lost in runs[name])),
+                     "socket_drops": int(sum(lost[1] for _, _, lost in runs[name])),
+                     "send_errors": int(sum(lost[2] for _, _, lost in runs[name])),
+                     "load_1min_runs": [lost[3] for _, _, lost in runs[name]],
                      "losses": losses.tolist()})
     base = next(r for r in rows if r["order"] == "random")
     for r in rows:
@@ -247,86 +316,167 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=100, help="batches drawn to count the rows' frequencies")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(ROOT / "docs" / "embedding_order.json"))
+    ap.add_argument("--rate", type=_rate, help="run every worker and the aggregator on a host of its own "
+                    "(network namespaces) with links shaped to RATE both ways (tc's notation, e.g. 1gbit; "
+                    "needs root)")
+    ap.add_argument("--aggregator-rate", type=_rate, help="the aggregator's link with --rate (default: RATE)")
+    ap.add_argument("--mtu", type=int, default=9000, help="link MTU with --rate (default 9000)")
+    ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram (default: zerosum.Worker's, "
+                    "64 KiB; with --rate, MTU - 28 avoids IP fragments)")
+    ap.add_argument("--window", type=int, help="the workers' window, bytes in flight (zerosum.Worker(window=...), "
+                    "R-L6; default: none, every column at once)")
+    ap.add_argument("--json", default=str(ROOT / "docs" / "embedding_order.json"),
+                    help="results file; the rows of other networks in it are kept ('' for none)")
     ap.add_argument("--figure", default=str(ROOT / "docs" / "embedding_order.png"))
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
         return _serve(int(args.serve[0]), int(args.serve[1]))
+    if args.aggregator_rate and not args.rate:
+        ap.error("--aggregator-rate needs --rate")
+    if args.rate and (os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None):
+        raise SystemExit("--rate needs root and iproute2 (ip, tc): it creates network namespaces, veth pairs, "
+                         "a bridge and tbf qdiscs")
     from zerosum.examples.embedding import TABLES
-    from zerosum.local import LocalAggregator
 
     rows = []
-    agg = LocalAggregator(None)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with network(args) as net, tempfile.TemporaryDirectory() as tmp:
             for i, ids in enumerate(args.ids):
-                rows += run_ids(ids, args, agg, tmp, 300 + 100 * i)
-    finally:
-        agg.stop()
+                rows += run_ids(ids, args, net, tmp, 300 + 100 * i)
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"could not build the network: `{' '.join(e.cmd)}` failed: {e.stderr.strip()}")
+    where = where_label(args)
     print()
-    print(f"E8: {args.workers} workers, {TABLES} tables of {args.rows:,} x 32, batch {args.batch} per worker, "
-          f"{args.steps} steps ({WARMUP} untimed), block {BLOCK} (8 rows), median of {args.repeats} runs; "
+    print(f"E8 ({describe(args)}): {args.workers} workers, {TABLES} tables of {args.rows:,} x 32, batch {args.batch} "
+          f"per worker, {args.steps} steps ({WARMUP} untimed), block {BLOCK} (8 rows), median of {args.repeats} runs; "
           f"ratios: random / order")
     print(table(rows))
     for r in rows:
         if r["order"] == "frequency":
-            print(f"ids {r['ids']}: frequency order set-up {r['setup_s']:.2f} s (profile {r['setup_profile_s']:.2f} s, "
-                  f"sort {r['setup_sort_s']:.2f} s); break-even after {steps_text(r['break_even_steps'])} steps "
-                  f"(measured step times), {steps_text(r['break_even_steps_1gbit'])} at 1 Gbit/s (bytes)")
+            print(f"{where}, ids {r['ids']}: frequency order set-up {r['setup_s']:.2f} s (profile "
+                  f"{r['setup_profile_s']:.2f} s, sort {r['setup_sort_s']:.2f} s); break-even after "
+                  f"{steps_text(r['break_even_steps'])} steps (measured step times), "
+                  f"{steps_text(r['break_even_steps_1gbit'])} at 1 Gbit/s (bytes)")
     print("retransmitted entries:", {f"{r['ids']}/{r['order']}": r["retransmitted"] for r in rows})
+    print(f"1-minute load average after each run ({os.cpu_count()} cores, shared):",
+          {f"{r['ids']}/{r['order']}": [round(v, 1) for v in r["load_1min_runs"]] for r in rows})
+    print("results the aggregator could not send (send buffer full):",
+          {f"{r['ids']}/{r['order']}": r["send_errors"] for r in rows})
+    if args.rate:
+        print("packets dropped by the shapers / by full socket receive buffers:",
+              {f"{r['ids']}/{r['order']}": (r["shaper_drops"], r["socket_drops"]) for r in rows})
+    config = {"where": where, "describe": describe(args), "workers": args.workers, "rows": args.rows,
+              "tables": TABLES, "steps": args.steps, "batch": args.batch, "lr": args.lr, "block": BLOCK,
+              "zipf": args.zipf, "profile_batches": args.profile, "repeats": args.repeats, "rate": args.rate,
+              "aggregator_rate": (args.aggregator_rate or args.rate) if args.rate else None,
+              "mtu": args.mtu if args.rate else None, "max_datagram": args.max_datagram, "window": args.window}
+    configs, everything = {where: config}, rows
     if args.json:
+        configs, everything = merge(args.json, config, rows)
         with open(args.json, "w") as f:
-            json.dump(json_safe({"workers": args.workers, "rows": args.rows, "tables": TABLES, "steps": args.steps,
-                             "batch": args.batch, "lr": args.lr, "block": BLOCK, "zipf": args.zipf,
-                             "profile_batches": args.profile, "repeats": args.repeats, "results": rows}),
-                      f, indent=1)
-        print(f"wrote {args.json}")
+            json.dump(json_safe({"configs": configs, "results": everything}), f, indent=1)
+        print(f"wrote {args.json} (networks: {', '.join(configs)})")
     if args.figure:
-        figure(rows, args)
+        figure(everything, configs, args.figure)
         print(f"wrote {args.figure}")
     return 0
 
 
+def _rate(text: str) -> str:
+    from shaped_network import rate_type
+    return rate_type(text)
+
+
+def describe(args) -> str:
+    window = f", window {args.window} bytes" if args.window else ""
+    datagrams = f", datagrams <= {args.max_datagram} bytes" if args.max_datagram else ""
+    if not args.rate:
+        return "loopback, one local aggregator" + window + datagrams
+    agg = args.aggregator_rate or args.rate
+    return (f"a host per worker and one for the aggregator, links of {args.rate} both ways"
+            f"{'' if agg == args.rate else f' (aggregator {agg})'}, MTU {args.mtu}{window}{datagrams}")
+
+
+def merge(path, config, rows) -> tuple[dict, list]:
+    """The configurations and rows already in the results file `path`, those of this run's network
+    replaced by this run's. (A file written before --rate existed holds loopback rows only.)"""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = {}
+    if "configs" in old:
+        configs = old["configs"]
+    elif old.get("results"):
+        configs = {"loopback": {"where": "loopback", "describe": "loopback, one local aggregator",
+                                **{k: v for k, v in old.items() if k != "results"}}}
+    else:
+        configs = {}
+    kept = [{"where": "loopback", **r} for r in old.get("results", []) if r.get("where", "loopback") != config["where"]]
+    configs = {k: v for k, v in configs.items() if k != config["where"]}
+    configs[config["where"]] = config
+    return configs, kept + rows
+
+
 def table(rows) -> str:
-    out = ["| ids | order | non-zero table blocks/worker/step | density | rounds/step | sent/worker/step | "
+    out = ["| where | ids | order | non-zero table blocks/worker/step | density | rounds/step | sent/worker/step | "
            "received/worker/step | step ms | allreduce ms | set-up s | max loss diff vs random | "
-           "max table diff vs random |", "|" + "---|" * 12]
+           "max table diff vs random | entries retransmitted | aggregator send errors | shaper drops |",
+           "|" + "---|" * 16]
     for r in rows:
-        out.append(f"| {r['ids']} | {r['order']} | {r['blocks']:.0f} ({r['blocks_ratio']:.2f}x) | "
+        drops = r.get("shaper_drops") if r.get("rate") else None
+        out.append(f"| {r.get('where', 'loopback')} | {r['ids']} | {r['order']} | "
+                   f"{r['blocks']:.0f} ({r['blocks_ratio']:.2f}x) | "
                    f"{100 * r['density']:.2f} % | {r['rounds']:.0f} ({r['rounds_ratio']:.2f}x) | "
                    f"{r['sent'] / 1e6:.3f} MB ({r['sent_ratio']:.2f}x) | {r['received'] / 1e6:.3f} MB "
                    f"({r['received_ratio']:.2f}x) | {r['step_s'] * 1e3:.1f} ({r['step_s_ratio']:.2f}x) | "
                    f"{r['comm_s'] * 1e3:.1f} ({r['comm_s_ratio']:.2f}x) | {r['setup_s']:.2f} | "
-                   f"{r['loss_diff_vs_random']:.1e} | {r['param_diff_vs_random']:.1e} |")
+                   f"{r['loss_diff_vs_random']:.1e} | {r['param_diff_vs_random']:.1e} | {r['retransmitted']} | "
+                   f"{r.get('send_errors', '-')} | "
+                   f"{'-' if drops is None else drops} |")
     return "\n".join(out)
 
 
-def figure(rows, args):
+def figure(rows, configs, path):
+    """Density, step time and loss curves of every network (where) and id distribution in `rows`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    dists = list(dict.fromkeys(r["ids"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    width = 0.8 / len(dists)
+    groups = list(dict.fromkeys((r.get("where", "loopback"), r["ids"]) for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    width = 0.8 / len(groups)
     x = np.arange(len(ORDERS))
-    for i, ids in enumerate(dists):
-        rs = {r["order"]: r for r in rows if r["ids"] == ids}
-        axes[0].bar(x + i * width, [100 * rs[o]["density"] for o in ORDERS], width, label=f"ids {ids}")
-        axes[1].bar(x + i * width, [rs[o]["step_s"] * 1e3 for o in ORDERS], width, label=f"ids {ids}: step")
-        axes[1].bar(x + i * width, [rs[o]["comm_s"] * 1e3 for o in ORDERS], width * 0.5,
-                    label=f"ids {ids}: of which allreduce", color="k", alpha=0.35 + 0.3 * i)
+    for i, (where, ids) in enumerate(groups):
+        rs = {r["order"]: r for r in rows if r.get("where", "loopback") == where and r["ids"] == ids}
+        label = f"{where}, ids {ids}"
+        axes[0].bar(x + i * width, [100 * rs[o]["density"] for o in ORDERS], width, label=label)
+        bars = axes[1].bar(x + i * width, [rs[o]["step_s"] * 1e3 for o in ORDERS], width, label=f"{label}: step")
+        axes[1].bar(x + i * width, [rs[o]["comm_s"] * 1e3 for o in ORDERS], width * 0.5, color="k", alpha=0.35,
+                    label="of which allreduce" if i == 0 else None)
+        for b, o in zip(bars, ORDERS):
+            axes[1].annotate(f"{rs[o]['step_s'] * 1e3:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                             ha="center", va="bottom", fontsize=6)
+        first = all(g[1] != ids for g in groups[:i])     # the curves are the same on every network
         for o in ORDERS:
-            axes[2].plot(rs[o]["losses"], lw=1, ls="-" if o == "random" else "--", label=f"{ids} / {o}")
+            axes[2].plot(rs[o]["losses"], lw=1, ls="-" if o == "random" else "--",
+                         label=f"ids {ids}: every order and network" if o == "random" and first else None)
     for ax in axes[:2]:
         ax.set_xticks(x + 0.4 - width / 2, ORDERS)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
+    workers = sorted({c["workers"] for c in configs.values()})
     axes[0].set(ylabel="% of the tables' blocks", title="non-zero table blocks per worker and step")
-    axes[1].set(ylabel="ms", title=f"step time, {args.workers} workers on loopback")
-    axes[2].set(xlabel="step", ylabel="loss (mean over ranks)", title="loss curves (orders overlap)")
-    axes[2].legend(fontsize=7)
+    axes[0].set_ylim(0, axes[0].get_ylim()[1] * (1 + 0.07 * len(groups)))   # room for the legend
+    axes[1].set_yscale("log")                             # lost results can make a step 10x longer
+    low, high = min(r["comm_s"] for r in rows) * 1e3, max(r["step_s"] for r in rows) * 1e3
+    axes[1].set_ylim(low / 2, high * (high / low) ** (0.1 * len(groups)))   # the upper part for the legend
+    axes[1].set(ylabel="ms (log scale)",
+                title=f"step time (slowest rank), {'/'.join(map(str, workers))} workers, CPU shared")
+    axes[2].set(xlabel="step", ylabel="loss (mean over ranks)",
+                title="loss curves (random: solid, other orders: dashed)")
+    axes[2].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(args.figure, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

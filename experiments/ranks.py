@@ -1,17 +1,20 @@
 """Worker ranks as long-lived processes of an experiment script: each runs `script --serve RANK WORLD
 *extra`, takes one JSON configuration per line on stdin and answers with one line that starts with the
-script's result marker; the pool sends a configuration to every rank and collects their answers."""
+script's result marker; the pool sends a configuration to every rank and collects their answers.
+`where(rank)` is a command prefix for a rank's process, e.g. ["ip", "netns", "exec", NS]."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Callable
 
 
 class Ranks:
-    def __init__(self, script: str, marker: str, world: int, *extra: str):
+    def __init__(self, script: str, marker: str, world: int, *extra: str,
+                 where: Callable[[int], list[str]] = lambda rank: []):
         self.marker = marker
-        self.procs = [subprocess.Popen([sys.executable, script, "--serve", str(r), str(world), *extra],
+        self.procs = [subprocess.Popen([*where(r), sys.executable, script, "--serve", str(r), str(world), *extra],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for r in range(world)]
         for p in self.procs:

@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import sys
+from typing import Sequence
 
 CTX = mp.get_context("spawn")
 ANNOUNCE = "zerosum-aggregator-listening"
@@ -63,10 +64,12 @@ class LocalAggregator:
 
     def __init__(self, workers: int | None, *, listen: str = "127.0.0.1:0", job: int = 1,
                  slots: int | None = None, loss: float = 0.0, seed: int | None = None,
-                 max_job_slots: int | None = None, job_idle: float | None = None):
+                 max_job_slots: int | None = None, job_idle: float | None = None, prefix: Sequence[str] = ()):
         """workers and job declare a job (None: jobs only come from JOINs); with `slots` alone, the one
-        job gets them all (max_job_slots caps a job's share instead)."""
-        cmd = [sys.executable, "-m", "zerosum", "aggregator", "--listen", listen, "--job", str(job),
+        job gets them all (max_job_slots caps a job's share instead). `prefix` is put before the command,
+        e.g. ["ip", "netns", "exec", NS] to run it in a network namespace (the prefix must exec the
+        command, so that the snapshot's signal reaches the aggregator)."""
+        cmd = [*prefix, sys.executable, "-m", "zerosum", "aggregator", "--listen", listen, "--job", str(job),
                "--loss", str(loss), "--announce"]
         if workers:
             cmd += ["--workers", str(workers)]
