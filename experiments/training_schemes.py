@@ -3,7 +3,8 @@ gradients side by side (zerosum.examples.schemes), on loopback or over rate-limi
 
     sudo python3 experiments/training_schemes.py e6              # compressors, 1 Gbit/s links (~25 min)
     sudo python3 experiments/training_schemes.py s1              # local SGD periods
-    sudo python3 experiments/training_schemes.py s3              # one-step delayed gradients
+    sudo python3 experiments/training_schemes.py s3              # one-step delayed gradients (s1's run
+                                                                 # trains them too and writes S3's section)
     python3 experiments/training_schemes.py e6 --rate loopback --example mlp --steps 60   # a quick look
 
 Each experiment trains the embedding example and the MLP (zerosum.examples.embedding / .mlp) with every
@@ -61,6 +62,7 @@ class Experiment:
     schemes: str
     steps: int
     about: str
+    within: str | None = None     # another experiment whose run also holds this one's schemes
 
 
 EXPERIMENTS = {
@@ -72,13 +74,13 @@ EXPERIMENTS = {
                      "with error feedback (`efsign`), DIANA over random-k blocks with tau = ceil(m/W) "
                      "(`diana:1`), against uncompressed ZeroSum and gloo's ring allreduce"),
     "s1": Experiment("S1", "periodic model averaging (local SGD)", "sync.md",
-                     "local,gloo,zerosum,localsgd:2:10,localsgd:4:10,localsgd:8:10,localsgd:16:10", 300,
+                     "local,gloo,zerosum,localsgd:2:10,localsgd:4:10,localsgd:8:10,localsgd:16:10,delayed", 300,
                      "post-local SGD (zerosum.sync.PostLocalSGDState + PeriodicModelAverager): 10 warm-up steps "
                      "averaging gradients every step, then the model averaged every H steps (`localsgd:H:10`), "
                      "against every-step ZeroSum (H = 1) and gloo"),
     "s3": Experiment("S3", "one-step delayed gradients", "sync.md", "local,zerosum,delayed", 300,
                      "zerosum.sync.delayed_gradient_hook (step t applies the average of step t-1's gradients, "
-                     "so each allreduce overlaps a whole step) against synchronous every-step ZeroSum"),
+                     "so each allreduce overlaps a whole step) against synchronous every-step ZeroSum", within="s1"),
 }
 
 
@@ -341,6 +343,12 @@ def main(argv=None) -> int:
         for example in result["models"]:
             figure(result, example, DOCS / f"{name}_{example}.png")
         update_sections(DOCS / exp.doc, section(exp, result, name, " ".join(argv_given)))
+        # An experiment whose schemes this run also trained (S3's within S1's) gets its section from it.
+        for other in (e for e in EXPERIMENTS.values() if e.within == args.experiment and not args.schemes):
+            wanted = other.schemes.split(",")
+            subset = {**result, "models": {k: {**m, "rows": [r for r in m["rows"] if r["scheme"] in wanted]}
+                                          for k, m in result["models"].items()}}
+            update_sections(DOCS / other.doc, section(other, subset, name, " ".join(argv_given)))
     return 0
 
 
