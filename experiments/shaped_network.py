@@ -19,6 +19,7 @@ The CPU is still shared by all processes, so the numbers are a lower bound on wh
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from zerosum.spec import DEFAULT_PORT as AGGREGATOR_PORT
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
+_NETWORKS = itertools.count()
 
 
 def sh(*cmd, check=True):
@@ -55,7 +57,9 @@ def shaped_star(hosts: dict[str, str], rate: str, mtu: int, rates: dict[str, str
     """A bridge and one namespace per host (name -> IP); each veth link limited to `rate` both ways
     (`rates` gives some hosts another). Yields the namespaces by host name, and a function that counts
     the packets dropped so far."""
-    tag = f"{os.getpid() % 100000:05d}"
+    # unique per call: a second network in the same process must not meet the first's veths, whose
+    # removal with their namespaces the kernel may not have finished
+    tag = f"{os.getpid() % 100000:05d}{chr(ord('a') + next(_NETWORKS) % 26)}"
     bridge, made = f"zsb{tag}", []
     namespaces = {name: f"zs{tag}{name}" for name in hosts}
     # tbf needs a bucket of at least one MTU-sized burst per timer tick; 1 ms worth of the rate is ample.
