@@ -65,6 +65,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -396,6 +397,26 @@ def run_once(args, cfg: dict, rate: str | None) -> dict:
     return out
 
 
+def predicted(out: dict) -> str:
+    """The cost model's bytes and link time for one run (zerosum.costmodel): the dense gradient in one
+    allreduce per step, a worker's link and the aggregator's (which carries every worker's results)."""
+    from zerosum import costmodel as CM
+    from shaped_network import _bits
+    cfg = out["config"]
+    numel = cfg["depth"] * (cfg["width"] ** 2 + cfg["width"]) + cfg["width"] + 1
+    cost = CM.zerosum_allreduce(numel, 1.0, 1.0, cfg["world"], max_datagram=cfg.get("max_datagram") or 65507)
+    measured = next(r["bytes"] for r in out["rows"] if r["variant"] == "ddp")
+    text = (f"Cost model: {cost.sent / 1e6:.1f} MB sent per step and worker (measured / predicted "
+            f"{measured / cost.sent:.2f}x)")
+    rates = re.findall(r"of (\S+) \(aggregator (\S+)\)", out["where"])
+    if rates:
+        worker_ms = max(cost.sent, cost.received) * 8 / _bits(rates[0][0]) * 1e3
+        agg_ms = cfg["world"] * max(cost.sent, cost.received) * 8 / _bits(rates[0][1]) * 1e3
+        text += (f"; the links need at least {max(worker_ms, agg_ms):.0f} ms per step (a worker's "
+                 f"{worker_ms:.0f} ms, the aggregator's {agg_ms:.0f} ms)")
+    return text + "."
+
+
 def section(results: list, command: str) -> list[str]:
     """Section S2 of docs/sync.md: one table per run."""
     cfg = results[0]["config"]
@@ -408,7 +429,7 @@ def section(results: list, command: str) -> list[str]:
              "the communication thread's time in allreduces; hidden = 1 - exposed / busy). The CPU (2 cores) is "
              "shared by all processes.", ""]
     for out in results:
-        lines += [f"**{out['where']}**", "",
+        lines += [f"**{out['where']}**", "", predicted(out), "",
                   "| variant | step ms | + over local ms | exposed ms | busy ms | hidden | MB sent / step | chunks "
                   "| identical (ranks / priority) |", "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
         for r in out["rows"]:
