@@ -112,24 +112,16 @@ def profile(example: str, world: int, extra: list[str], warm: int = 10, periods=
     optimizer) for `warm` steps, then for max(periods) more, recording each step's gradient blocks and
     the blocks the parameters changed in over h steps. Blocks of 256 values over the parameters
     flattened in reverse order (DDP's bucket order, as one bucket). Returns (Densities, numel)."""
+    import copy
+    import importlib
     import torch
     from zerosum import costmodel as CM
-    from zerosum.examples import embedding, mlp
-    p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, default=embedding.ROWS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", default="sgd")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--batch", type=int)
-    o, _ = p.parse_known_args(MODELS[example] + extra)
-    if example == "embedding":
-        make, batch = (lambda: embedding.Recommender(o.rows)), (lambda g, n: embedding.batch(g, n, o.rows))
-        loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
-    else:
-        make, batch, loss_fn = mlp.model, mlp.batch, torch.nn.functional.cross_entropy
+    from zerosum.examples.harness import OPTIMIZERS
+    module = importlib.import_module(f"zerosum.examples.{example}")
+    o = module.arguments(MODELS[example] + extra)      # the run's own options, parsed as it parses them
+    make, batch, loss_fn = module.task(o)
     torch.manual_seed(o.seed)
     initial = make()
-    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[o.optimizer]
 
     def blocks(tensors):
         flat = torch.cat([t.reshape(-1) for t in reversed(tensors)])
@@ -138,9 +130,8 @@ def profile(example: str, world: int, extra: list[str], warm: int = 10, periods=
 
     grads, changes = [], []
     for rank in range(world):
-        import copy
         model = copy.deepcopy(initial)
-        opt = opt_class(model.parameters(), lr=o.lr)
+        opt = OPTIMIZERS[o.optimizer](model.parameters(), lr=o.lr)
         gen = torch.Generator().manual_seed(o.seed * 1000 + rank)
         mine, change = [], {}
         for step in range(warm + max(periods)):
@@ -177,9 +168,7 @@ def predictions(rows: list[dict], densities, numel: int, world: int, rate: str) 
         s = parse(r["scheme"])
         if s.kind == "local":
             continue
-        extra = {"density": s.args[0]} if s.kind in ("topk", "dgc") else \
-            {"density": min(1.0, s.args[0] / world)} if s.kind == "diana" else \
-            {"period": int(s.args[0])} if s.kind == "localsgd" else {}
+        extra = {"period": int(s.args[0])} if s.kind == "localsgd" else {"density": s.density(world)}
         cost = CM.scheme_step(s.kind, numel, world, densities, **extra)
         r["predicted_sent_mb"], r["predicted_received_mb"] = cost.sent / 1e6, cost.received / 1e6
         if rate != "loopback" and local is not None:

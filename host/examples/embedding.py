@@ -44,12 +44,21 @@ def batch(gen, size, rows: int = ROWS):
     return (ids,), clicks
 
 
-def main():
-    args = parse_args(__doc__, lambda p: p.add_argument("--rows", type=positive_int, default=ROWS,
+def arguments(argv=None):
+    return parse_args(__doc__, lambda p: p.add_argument("--rows", type=positive_int, default=ROWS,
                                                       help=f"rows per embedding table (default {ROWS:,})"),
-                      steps=30, batch=256, lr=0.5)
-    train(functools.partial(Recommender, args.rows), functools.partial(batch, rows=args.rows),
-          torch.nn.functional.binary_cross_entropy_with_logits, args)
+                      argv, steps=30, batch=256, lr=0.5)
+
+
+def task(args):
+    """The model, the batches and the loss that `args` describe (for train, and for profiling)."""
+    return (functools.partial(Recommender, args.rows), functools.partial(batch, rows=args.rows),
+            torch.nn.functional.binary_cross_entropy_with_logits)
+
+
+def main():
+    args = arguments()
+    train(*task(args), args)
 
 
 if __name__ == "__main__":

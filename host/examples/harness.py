@@ -21,8 +21,9 @@ MODES = {"both": ["gloo", "zerosum"], "all": ["local", "gloo", "zerosum"],
          "zerosum": ["zerosum"], "gloo": ["gloo"], "local": ["local"]}
 
 
-def parse_args(description: str, extra=None, **defaults) -> argparse.Namespace:
-    """The options both examples share; `extra(parser)` adds an example's own."""
+def parse_args(description: str, extra=None, argv=None, **defaults) -> argparse.Namespace:
+    """The options both examples share; `extra(parser)` adds an example's own; `argv` (default: the
+    command line) is what is parsed."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=list(MODES), default="both",
                    help="which allreduce to train with (both: gloo first, then ZeroSum, same data; local: "
@@ -46,7 +47,7 @@ def parse_args(description: str, extra=None, **defaults) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="rank 0 also writes the per-mode reports to FILE as JSON")
     if extra is not None:
         extra(p)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:

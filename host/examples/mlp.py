@@ -24,9 +24,18 @@ def batch(gen, size):
     return (x,), (x @ _W).argmax(1)
 
 
+def arguments(argv=None):
+    return parse_args(__doc__, argv=argv, steps=30, batch=128, lr=0.05)
+
+
+def task(args):
+    """The model, the batches and the loss (for train, and for profiling)."""
+    return model, batch, torch.nn.functional.cross_entropy
+
+
 def main():
-    args = parse_args(__doc__, steps=30, batch=128, lr=0.05)
-    train(model, batch, torch.nn.functional.cross_entropy, args)
+    args = arguments()
+    train(*task(args), args)
 
 
 if __name__ == "__main__":

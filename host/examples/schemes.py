@@ -59,6 +59,15 @@ class Scheme:
     def uses_zerosum(self) -> bool:
         return self.kind not in ("local", "gloo")
 
+    def density(self, world: int) -> float | None:
+        """The share of blocks a worker keeps under a sparsifier (topk, dgc; diana's random-k: about
+        share / world), None for the other schemes."""
+        if self.kind in ("topk", "dgc"):
+            return self.args[0]
+        if self.kind == "diana":
+            return min(1.0, self.args[0] / world)
+        return None
+
     def compressor(self, world: int, rank: int, seed: int):
         """The scheme's zerosum.compression.Compressor (None for the plain sum)."""
         from zerosum import compression as C
@@ -74,7 +83,7 @@ class Scheme:
         if self.kind == "efsign":
             return C.SignEF()
         if self.kind == "diana":
-            return _diana(world, rank, seed, a[0])
+            return _diana(world, rank, seed, a[0], self.density(world))
         return None
 
     def attach(self, initial: torch.nn.Module, worker, world: int, rank: int, seed: int,
@@ -102,7 +111,7 @@ class Scheme:
         return Attached(model, closers=[state.close])
 
 
-def _diana(world, rank, seed, share):
+def _diana(world, rank, seed, share, kept):
     from zerosum import compression as C
 
     class _Tau(C.RandomKBlocks):
@@ -114,9 +123,9 @@ def _diana(world, rank, seed, share):
             return super().compress(grad, key)
 
     inner = _Tau(world, seed=seed, rank=rank)
-    # omega of rand-k scaled by m/tau: m/tau - 1; it depends on m, so alpha is fixed from the share:
-    # alpha = 1/(1+omega) = tau/m ~ share/world.
-    return C.DIANA(inner, alpha=min(1.0, share / world))
+    # omega of rand-k scaled by m/tau: m/tau - 1; it depends on m, so alpha is fixed from the share
+    # kept: alpha = 1/(1+omega) = tau/m ~ share/world.
+    return C.DIANA(inner, alpha=kept)
 
 
 def _no_communication(state, bucket):
