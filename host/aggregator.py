@@ -5,13 +5,17 @@ import logging
 import socket
 import time
 
+import numpy as np
+from numba import typed
+
+from . import aggregator_kernels as AK
 from . import protocol as P
+from . import transport as T
 from .aggregator_service import AggregatorService
 from .warmup import warm_up
 from .udp import LossHook, open_socket, parse_address
 
 log = logging.getLogger("zerosum.aggregator")
-FLUSH_EVERY = 16
 
 
 def request_stats(address: str, timeout: float = 5.0) -> dict:
@@ -69,46 +73,90 @@ class AggregatorServer:
                                          key=key, max_datagram=max_datagram)
         self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)
+        if seed is not None:
+            AK.seed(seed)
         self.address = self.sock.getsockname()
-        self.datagrams_sent = 0
+        self.features = T.detect(self.sock)
+        self._rx = T.rx_batch()
+        # the simulated loss drops single datagrams: not with GSO, which sends runs of them at once
+        self._tx = T.tx_queue(self.features.gso and not loss)
+        self._tables_key, self._tables = None, None
+        self._sent = 0
 
     def serve(self, stop=None, stats_interval: float = 0.0, idle_exit: float = 0.0) -> None:
         """Serve until `stop()` is true (checked at least every 0.2 s), or, with idle_exit, until
-        workers have been silent for that many seconds after data arrived; otherwise forever."""
-        buf = bytearray(P.MAX_DATAGRAM + 1)
-        view = memoryview(buf)
-        sock, machine = self.sock, self.machine
-        sock.settimeout(0.2)
+        workers have been silent for that many seconds after data arrived; otherwise forever.
+
+        Datagrams arrive in batches (recvmmsg); the members' DATA of a batch is aggregated, and its
+        replies and completed rounds sent (sendmmsg, GSO), by compiled code (aggregator_kernels.serve)
+        without entering Python; Python takes the rest (JOIN, LEAVE, STATS, anything dropped) one by one,
+        in arrival order, through the service's machines."""
+        fd = self.sock.fileno()
         next_stats = time.monotonic() + stats_interval if stats_interval else float("inf")
-        backlog = 0
         last_data = None
         while stop is None or not stop():
             if idle_exit and last_data is not None and time.monotonic() - last_data > idle_exit:
                 log.info("no datagrams for %.1f s: exiting", idle_exit)
                 return
-            # Block only when nothing is pending; otherwise drain what is queued, then flush the
-            # completed rounds together (at least every FLUSH_EVERY datagrams).
-            sock.settimeout(0.0 if machine.completed and backlog < FLUSH_EVERY else 0.2)
-            try:
-                n, addr = sock.recvfrom_into(buf)
-            except (socket.timeout, BlockingIOError):
-                n = 0
-            except ConnectionRefusedError:
-                continue
+            n = T.receive(fd, self._rx, 200)
+            now = time.monotonic()
             if n:
-                backlog += 1
-                last_data = time.monotonic()
-                if not self.loss.drop():
-                    self._send(machine.receive(view[:n], addr, last_data))
-            if not n or backlog >= FLUSH_EVERY:
-                backlog = 0
-                self._send(machine.flush())
-            if time.monotonic() >= machine.timer():
-                for job in machine.expire(time.monotonic()):
-                    log.info("job %d ended: idle for %.1f s", job, machine.job_idle)
-            if time.monotonic() >= next_stats:
+                last_data = now
+                self._serve_batch(n, now)
+            if now >= self.service.timer():
+                for job in self.service.expire(now):
+                    log.info("job %d ended: idle for %.1f s", job, self.service.job_idle)
+            if now >= next_stats:
                 log.info("counters: %s", self.counters_line())
-                next_stats = time.monotonic() + stats_interval
+                next_stats = now + stats_interval
+
+    def _serve_batch(self, n: int, now: float) -> None:
+        rx, fd = self._rx, self.sock.fileno()
+        i = off = 0
+        while i < n:
+            tables = self._fast_tables()
+            if tables is not None:
+                i, off = AK.serve(fd, rx, n, i, off, *tables, self._tx, self.loss.rate)
+                if i >= n:
+                    break
+            # a datagram for the machines (the compiled loop applied the simulated loss already)
+            size = min(int(rx.seg[i]), int(rx.length[i]) - off)
+            if tables is not None or not self.loss.drop():
+                data = bytes(rx.buf[i, off:off + size])
+                self._send(self.service.receive(data, T.address_of(int(rx.source[i])), now))
+            off += int(rx.seg[i])
+            if off >= rx.length[i]:
+                i, off = i + 1, 0
+        self._send(self.service.flush())
+        for job in self.service.jobs.values():
+            heard = job.machine.table.state
+            if heard[AK.HEARD]:
+                heard[AK.HEARD] = 0
+                job.last_heard = now
+        errors = int(self._tx.state[T.SEND_ERRORS])
+        if errors:
+            self._tx.state[T.SEND_ERRORS] = 0
+            self.service.count("send_errors", errors)
+
+    def _fast_tables(self):
+        """(job ids, SlotTables) of the jobs served, for the compiled loop; rebuilt when a job starts,
+        ends or restarts (a JOIN allocates a new table). None while no job is served."""
+        jobs = self.service.jobs
+        key = tuple((job, id(j.machine.table)) for job, j in jobs.items())
+        if key != self._tables_key:
+            self._tables_key = key
+            if not jobs:
+                self._tables = None
+            else:
+                tables = typed.List()
+                for j in jobs.values():
+                    tables.append(j.machine.table)
+                self._tables = (np.array(list(jobs), np.int64), tables)
+        return self._tables
+
+    @property
+    def datagrams_sent(self) -> int:
+        return self._sent + int(self._tx.state[T.DATAGRAMS])
 
     def _send(self, out) -> None:
         sent = 0
@@ -121,7 +169,7 @@ class AggregatorServer:
                     sent += 1
                 except OSError:
                     self.service.count("send_errors")
-        self.datagrams_sent += sent
+        self._sent += sent
 
     def counters_line(self) -> str:
         """The totals, then each job's counters and slots."""

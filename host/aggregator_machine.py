@@ -9,8 +9,10 @@ the machine's own buffer, valid until the call after next into the machine (so `
 is safe): a driver sends them at once (or copies them).
 
 The data path (validation, the int32 add, completion, shadow copy, RESULT and STATUS encoding) is in
-zerosum.kernels; this class keeps the control flow per datagram and membership. Slot state is one
-int64 register array (slots x registers) with the P4 program's register names (kernels.REGISTERS:
+zerosum.aggregator_kernels, over the job's SlotTable; this class keeps membership and the control flow
+per datagram (the server's compiled driver, aggregator_kernels.serve, takes members' DATA past it over
+the same table). Slot state is one int64 register array (slots x registers) with the P4 program's
+register names (aggregator_kernels.REGISTERS:
 slot_epoch, slot_block, slot_exp, bitmap, count, min_next, min_next_exp, has_data, and for idempotent
 retransmissions the previous round: prev_epoch, prev_block, prev_next, prev_exp, prev_next_exp,
 prev_has_data), plus the running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import kernels as K
+from . import aggregator_kernels as AK
+from . import transport as T
 from . import protocol as P
 
 from .spec import COUNTER_INDEX as C
@@ -66,6 +69,7 @@ class JobState:
     job: int
     world: int
     slots: int
+    max_datagram: int = P.MAX_DATAGRAM
     block_size: int = 0
     members: dict[int, Member] = field(default_factory=dict)
 
@@ -73,17 +77,16 @@ class JobState:
     def joined_bitmap(self) -> int:
         return sum(1 << r for r, m in self.members.items() if not m.left)
 
-    def allocate(self, block_size: int) -> None:
-        """(Re)initialise the slot registers for a new set of workers."""
+    def allocate(self, block_size: int, counters: np.ndarray) -> None:
+        """(Re)initialise the slot registers for a new set of workers (counting on in `counters`)."""
         self.block_size = block_size
-        self.regs = np.tile(np.array(K.REGISTER_RESET, np.int64), (self.slots, 1))
-        self.acc = np.zeros((self.slots, block_size), np.int32)
-        self.shadow = np.zeros((self.slots, block_size), np.int32)
+        self.table = AK.slot_table(self.job, self.world, self.slots, block_size, self.max_datagram, counters)
+        self.regs, self.acc, self.shadow = self.table.regs, self.table.acc, self.table.shadow
 
     def __getattr__(self, name: str):
         # The registers by name, as views of one column of `regs` (e.g. state.bitmap).
-        if name in K.REGISTERS and "regs" in self.__dict__:
-            return self.__dict__["regs"][:, K.REGISTERS.index(name)]
+        if name in AK.REGISTERS and "regs" in self.__dict__:
+            return self.__dict__["regs"][:, AK.REGISTERS.index(name)]
         raise AttributeError(name)
 
 
@@ -96,32 +99,25 @@ class AggregatorMachine:
             raise ValueError(f"world size must be 1..{P.MAX_WORLD}, got {world}")
         if not 1 <= slots <= 0xFFFF:
             raise ValueError(f"slots must be 1..65535, got {slots}")
-        self.state = JobState(job, world, slots)
-        self.state.allocate(1)
+        self.state = JobState(job, world, slots, max_datagram)
         self.max_block_size = max_block_size
         self.max_datagram = max_datagram
         self.counters = Counters()
-        self._seen = np.zeros(slots, np.int64)
-        self._stamp = 0
-        self._done = np.zeros(slots, np.int64)          # slots completed since the last flush
-        self._replies = np.zeros((2, slots), np.int64)  # duplicates, retransmissions of this datagram
-        self._counts = np.zeros(6, np.int64)
-        self._pending_key = None                        # (epoch, tensor_blocks) of the completed rounds
-        self._out = np.zeros(0, np.uint8)
-        self._used = 0
-        self._cuts = np.zeros((slots + 1, 2), np.int64)
+        self.state.allocate(1, self.counters.array)
+        self.table = self.state.table
 
     @property
     def completed(self) -> bool:
         """Whether rounds completed since the last flush (their results are still to be sent)."""
-        return bool(self._counts[0])
+        return bool(self.table.counts[AK.DONE])
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters.add(name, n)
 
     def _begin(self) -> None:
         """Start a call's output in the half of the buffer the previous call did not end in."""
-        self._used = 0 if self._used >= len(self._out) // 2 else len(self._out) // 2
+        half = len(self.table.wire) // 2
+        self.table.state[AK.USED] = 0 if self.table.state[AK.USED] >= half else half
 
     TAKES = frozenset((P.JOIN, P.DATA, P.LEAVE))   # R-V3 (STATS is the service's)
 
@@ -154,11 +150,14 @@ class AggregatorMachine:
             if not member.left:
                 member.left = True                                 # R-J5
                 self.count("leaves")
+                self.table.accept[rank] = -1
             return []
         if world != s.world or block_size != s.block_size:
             self.count("drop_geometry")                            # R-V10
             return []
-        return self._data(datagram, len(datagram), nent, epoch, tensor_blocks, rank, source)
+        AK.handle_data(self.table, np.frombuffer(datagram, np.uint8), len(datagram), nent, epoch,
+                       tensor_blocks, rank)
+        return self._take(source)
 
     # -- membership ---------------------------------------------------------------------------------
     def _join(self, rank: int, world: int, nonce: int, block_size: int, source) -> list[tuple[list, bytes]]:
@@ -178,18 +177,24 @@ class AggregatorMachine:
             self.count("drop_join_block_size")
             return []
         if not s.members:
-            s.allocate(block_size)
-            self._counts[0] = 0
-            self._pending_key = None
-            # two halves, each with room for one call's output: a flush of every slot and the replies
-            # to one datagram
-            per_slot = P.ENTRY_SIZE + 4 * block_size + P.PACKET_HEADER_SIZE
-            self._out = np.zeros(2 * 3 * s.slots * per_slot, np.uint8)
-            self._used = 0
+            s.allocate(block_size, self.counters.array)
+            self.table = s.table
         s.members[rank] = Member(source, nonce)
+        self._addresses()
         self.count("joins")
         header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, P.FEATURE_LEAVE, s.block_size, 0)
         return [([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap)))]
+
+    def _addresses(self) -> None:
+        """The members' addresses as the compiled driver knows them (ip << 16 | port), where they are
+        IPv4 (address, port) pairs (tests may use any object: those only take the Python path)."""
+        t = self.table
+        t.accept[:] = -1
+        t.members[:] = -1
+        for r, m in self.state.members.items():
+            key = _address_key(m.address)
+            t.members[r] = key
+            t.accept[r] = -1 if m.left else key
 
     @property
     def idle(self) -> bool:
@@ -197,65 +202,29 @@ class AggregatorMachine:
         return all(m.left for m in self.state.members.values())
 
     # -- the data path ------------------------------------------------------------------------------
-    def _data(self, datagram, n, nent, epoch, tensor_blocks, rank, source) -> list[tuple[list, memoryview]]:
-        s = self.state
-        if nent == 0:
-            self.count("datagrams")
-            return []
-        out: list[tuple[list, memoryview]] = []
-        key = (epoch, tensor_blocks)
-        if self._counts[0] and key != self._pending_key:
-            out += self._flush()    # rounds of another allreduce completed since the last flush: send them first
-        counts = self._counts
-        counts[1:] = 0
-        self._stamp += 1
-        # R-V10 (slots), then R-A1 ... R-A7 entry by entry
-        reason = K.contribute(np.frombuffer(datagram, np.uint8), n, nent, epoch, tensor_blocks, rank, s.world,
-                              s.block_size, s.regs, s.acc, s.shadow, self._seen, self._stamp, self._done,
-                              counts, self._replies)
-        if reason != K.OK:
-            self.count(K.DROP_REASONS[reason])
-            return out
-        if counts[0]:
-            self._pending_key = key
-        a = self.counters.array
-        a[C["datagrams"]] += 1
-        a[C["drop_stale"]] += counts[3]
-        a[C["drop_mismatch"]] += counts[4]
-        a[C["rounds"]] += counts[5]
-        if counts[1]:
-            a[C["duplicates"]] += counts[1]
-            out += [([source], d) for d in self._encode(self._replies[0, :counts[1]], True, key)]
-        if counts[2]:
-            a[C["retransmissions_answered"]] += counts[2]
-            out += [([source], d) for d in self._encode(self._replies[1, :counts[2]], False, key)]
-        return out
-
     def flush(self) -> list[tuple[list, memoryview]]:
         """RESULT datagrams, for every worker, of the rounds completed since the last flush."""
         self._begin()
-        return self._flush()
+        AK.flush_results(self.table)
+        return self._take(None)
 
-    def _flush(self) -> list[tuple[list, memoryview]]:
-        n = int(self._counts[0])
+    def _take(self, source) -> list[tuple[list, memoryview]]:
+        """The datagrams the kernels listed since the last call: to every member, or to `source`."""
+        t = self.table
+        n = int(t.state[AK.NCUTS])
         if not n:
             return []
-        slots = self._done[:n]
-        self.state.regs[slots, K.PENDING] = 0
-        self._counts[0] = 0
-        addresses = [m.address for _, m in sorted(self.state.members.items())]
-        return [(addresses, d) for d in self._encode(slots, False, self._pending_key)]
+        t.state[AK.NCUTS] = 0
+        view = memoryview(t.wire)
+        everyone = [m.address for _, m in sorted(self.state.members.items())]
+        return [(everyone if to_all else [source], view[a:b]) for a, b, to_all in t.cuts[:n].tolist()]
 
-    def _encode(self, slots: np.ndarray, status: bool, key) -> list[memoryview]:
-        """RESULT (from the shadow copy) or STATUS datagrams for these slots, to send at once."""
-        s = self.state
-        hdr = np.array([s.job, s.world, key[0], key[1], s.block_size], np.int64)
-        out = self._out[self._used:]
-        nd = K.encode_slots(out, self._cuts, slots, len(slots), status, s.regs, s.shadow, hdr, self.max_datagram)
-        view = memoryview(out)
-        cuts = self._cuts[:nd].tolist()
-        self._used += cuts[-1][1]
-        return [view[a:b] for a, b in cuts]
+
+def _address_key(address) -> int:
+    try:
+        return T.address_key(address)
+    except (TypeError, ValueError, OSError, IndexError):
+        return -1
 
 
 def new_nonce() -> int:

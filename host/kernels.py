@@ -1,17 +1,15 @@
-"""Compiled per-datagram and per-entry work: the block scan, and both ends of the data path.
+"""Compiled per-datagram and per-entry work: the block scan and the worker's data path.
 
 Everything that runs once per datagram or per entry is a numba kernel over raw buffers and state
-arrays, called by the pure state machines (worker_machine, aggregator_machine), which keep the control
-flow per allreduce and stay free of I/O. The kernels read and write the wire format of
-docs/protocol.md directly (big-endian fields at the offsets of protocol.PACKET_HEADER and
-protocol.ENTRY_HEADER), so a datagram is never turned into Python objects:
+arrays, called by the worker's pure state machine (worker_machine), which keeps the control flow per
+allreduce and stays free of I/O. The kernels read and write the wire format of docs/protocol.md
+directly (zerosum.wire, at the offsets zerosum.spec declares), so a datagram is never turned into
+Python objects. The aggregator's kernels are in zerosum.aggregator_kernels.
 
 - scan_blocks: one pass over a tensor's bits finds the non-zero blocks and their exponents.
 - encode_data: the worker's next round for the ready columns, quantised straight from the tensor
   into datagrams (fused by bytes, cut per aggregator).
 - apply_datagram: the worker's RESULT/STATUS handling, dequantised straight into the output.
-- contribute: the aggregator's validation and slot update for one DATA datagram.
-- encode_slots: the aggregator's RESULT and STATUS datagrams for a list of slots.
 
 Fixed point (docs/protocol.md, "Fixed point"): q = round_half_even(x * 2**(p - e)) is computed in
 float64, where x * 2**s is exact for every float32 x and every shift a block can need, so it equals the
@@ -27,141 +25,9 @@ from numba import njit
 
 from . import protocol as P
 
-END = np.int64(P.END)
-BOOT = np.int64(P.BOOT)
-NO_EXP = np.int64(P.NO_EXP)
-INT_EXP = np.int64(P.INT_EXP)
-HAS_DATA = np.int64(P.HAS_DATA)
-HDR = P.PACKET_HEADER_SIZE
-ENT = P.ENTRY_SIZE
-VERSION = np.int64(P.VERSION)
-AGGREGATOR_RANK = np.int64(P.AGGREGATOR_RANK)
-
-JIT = dict(cache=True, nogil=True)
-
-
-# -- big-endian fields --------------------------------------------------------------------------------
-
-@njit(**JIT)
-def get16(b, i):
-    return (np.int64(b[i]) << 8) | np.int64(b[i + 1])
-
-
-@njit(**JIT)
-def get32(b, i):
-    return (np.int64(b[i]) << 24) | (np.int64(b[i + 1]) << 16) | (np.int64(b[i + 2]) << 8) | np.int64(b[i + 3])
-
-
-@njit(**JIT)
-def get_s16(b, i):
-    v = get16(b, i)
-    return v - 65536 if v >= 32768 else v
-
-
-@njit(**JIT)
-def put16(b, i, v):
-    b[i] = (v >> 8) & 0xFF
-    b[i + 1] = v & 0xFF
-
-
-@njit(**JIT)
-def put32(b, i, v):
-    b[i] = (v >> 24) & 0xFF
-    b[i + 1] = (v >> 16) & 0xFF
-    b[i + 2] = (v >> 8) & 0xFF
-    b[i + 3] = v & 0xFF
-
-
-@njit(**JIT)
-def put_header(b, pos, ptype, job, rank, world, epoch, tensor_blocks, block_size, entries):
-    b[pos] = VERSION
-    b[pos + 1] = ptype
-    put16(b, pos + 2, job)
-    put16(b, pos + 4, rank)
-    put16(b, pos + 6, world)
-    put32(b, pos + 8, epoch)
-    put32(b, pos + 12, tensor_blocks)
-    put16(b, pos + 16, block_size)
-    put16(b, pos + 18, entries)
-
-
-@njit(inline="always", **JIT)
-def read_entry(b, e):
-    """The entry header at offset e: (slot, has data, block, next, exp, next_exp)."""
-    return get16(b, e), get16(b, e + 2) != 0, get32(b, e + 4), get32(b, e + 8), get_s16(b, e + 12), \
-        get_s16(b, e + 14)
-
-
-@njit(**JIT)
-def put_entry(b, pos, slot, flags, block, nxt, exp, next_exp):
-    put16(b, pos, slot)
-    put16(b, pos + 2, flags)
-    put32(b, pos + 4, block)
-    put32(b, pos + 8, nxt)
-    put16(b, pos + 12, exp & 0xFFFF)
-    put16(b, pos + 14, next_exp & 0xFFFF)
-
-
-# -- entry validation (docs/protocol.md, "Validation": R-V4, R-V5, R-V10) -------------------------------
-
-# Reasons a datagram is dropped, in the aggregator's counter names (index into DROP_REASONS).
-OK = 0
-DROP_LENGTH, DROP_FLAGS, DROP_EXPONENT, DROP_RANGE = 1, 2, 3, 4
-DROP_REASONS = ("", "drop_length", "drop_flags", "drop_exponent", "drop_range")
-
-
-@njit(**JIT)
-def check_entries(b, n, nent, block_size, tensor_blocks, ranges):
-    """The stateless rules of a DATA/RESULT/STATUS datagram's entries; return (reason, data rows).
-
-    R-V4: the entry headers fit, no unknown flag bits, the exact length. R-V5 (with `ranges`: DATA and
-    RESULT; in a STATUS `next` is a bitmap), entry by entry: no data on BOOT, an exponent with data, block
-    and next in range.
-    """
-    end_of_headers = HDR + nent * ENT
-    if block_size == 0 or n < end_of_headers:
-        return DROP_LENGTH, 0
-    rows = 0
-    for i in range(nent):
-        if get16(b, HDR + i * ENT + 2) & 0xFFFE:
-            return DROP_FLAGS, 0
-        rows += get16(b, HDR + i * ENT + 2)
-    if n != end_of_headers + rows * block_size * 4:
-        return DROP_LENGTH, 0
-    if not ranges:
-        return OK, rows
-    if tensor_blocks > P.MAX_BLOCKS:
-        return DROP_RANGE, rows
-    for i in range(nent):
-        e = HDR + i * ENT
-        has = get16(b, e + 2)
-        block = get32(b, e + 4)
-        nxt = get32(b, e + 8)
-        real = block != BOOT
-        if has and not real:
-            return DROP_FLAGS, rows
-        if has and get_s16(b, e + 12) == NO_EXP:
-            return DROP_EXPONENT, rows
-        if real and block >= tensor_blocks:
-            return DROP_RANGE, rows
-        if nxt != END and (nxt >= tensor_blocks or (real and nxt <= block)):
-            return DROP_RANGE, rows
-    return OK, rows
-
-
-@njit(**JIT)
-def check_slots(b, nent, slot_limit, seen, stamp):
-    """R-V10: every slot below the job's `slot_limit`, and named once per datagram (else DROP_RANGE).
-
-    `seen[slot] == stamp` marks slots named earlier in this datagram; the caller passes a fresh stamp per
-    datagram, so `seen` never needs clearing.
-    """
-    for i in range(nent):
-        slot = get16(b, HDR + i * ENT)
-        if slot >= slot_limit or seen[slot] == stamp:
-            return DROP_RANGE
-        seen[slot] = stamp
-    return OK
+from .wire import (AGGREGATOR_RANK, BOOT, DROP_REASONS, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,  # noqa: F401
+                   check_entries, check_slots, copy_swapped as _copy_swapped, get16, get32, get_s16,
+                   put_entry, put_header, read_entry, swap32 as _swap)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -258,13 +124,6 @@ def scan_blocks(bits, words, block_size, is_int, blocks_out, exps_out):
 _F32_LO, _F32_HI = -126, 127
 
 
-@njit(inline="always", **JIT)
-def _swap(q):
-    """A uint32 from native to network byte order or back (inlined, so loops around it vectorise)."""
-    return (q << np.uint32(24)) | ((q & np.uint32(0xFF00)) << np.uint32(8)) | \
-        ((q >> np.uint32(8)) & np.uint32(0xFF00)) | (q >> np.uint32(24))
-
-
 @njit(**JIT)
 def _quantize_swapped(src, base, count, shift, words):
     # Index slices from 0: with `base + v` numba must allow for negative indices, which stops LLVM
@@ -280,14 +139,6 @@ def _quantize_swapped(src, base, count, shift, words):
         for v in range(count):
             q = np.uint32(np.int32(np.rint(np.float64(x[v]) * scale64)))
             words[v] = _swap(q)
-
-
-@njit(**JIT)
-def _copy_swapped(src, base, count, words):
-    x = src[base: base + count]
-    for v in range(count):
-        q = np.uint32(x[v])
-        words[v] = _swap(q)
 
 
 @njit(**JIT)
@@ -319,13 +170,6 @@ def _store_floats(words, count, shift, divisor, out, dst):
             w = words[v]
             s = np.int32(_swap(w))
             o[v] = np.float32(np.float64(np.float32(s)) * scale64) / divisor
-
-
-@njit(**JIT)
-def _add_swapped(words, acc):
-    for v in range(acc.shape[0]):
-        w = words[v]
-        acc[v] += np.int32(_swap(w))
 
 
 @njit(**JIT)
@@ -567,167 +411,3 @@ def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, 
             d = max(first[a], last_heard[a] + base_rto)
         t = min(t, d)
     return t
-
-
-# -- the aggregator ---------------------------------------------------------------------------------------
-
-# Slot registers: columns of the aggregator's `regs` array (the P4 program's register names).
-(SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,
- PREV_EPOCH, PREV_BLOCK, PREV_NEXT, PREV_EXP, PREV_NEXT_EXP, PREV_HAS_DATA, PENDING) = range(16)
-REGISTERS = ("slot_epoch", "slot_block", "slot_exp", "slot_tensor_blocks", "bitmap", "count", "min_next",
-             "min_next_exp", "has_data", "prev_epoch", "prev_block", "prev_next", "prev_exp", "prev_next_exp",
-             "prev_has_data", "pending")
-# slot_epoch -1: a slot no BOOT of this run has started (no 32-bit epoch equals it), so the run's first
-# BOOT starts it whatever its epoch, as a new generation does on the switch (R-A1).
-REGISTER_RESET = (-1, P.END, P.NO_EXP, 0, 0, 0, P.END, P.NO_EXP, 0, 0, P.END, P.END, P.NO_EXP, P.NO_EXP, 0, 0)
-
-
-@njit(**JIT)
-def _newer(a, b):
-    """Serial-number comparison of 32-bit epochs (RFC 1982): a is after b."""
-    d = (a - b) & 0xFFFFFFFF
-    return d != 0 and d < 0x80000000
-
-
-@njit(**JIT)
-def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, acc, shadow, seen, stamp,
-               done, counts, replies):
-    """One DATA datagram from a member: validate it, then add its entries to their slots.
-
-    Completed rounds become the shadow copy and their slots are appended to `done` (counts[0] of them;
-    a slot is listed once until the next flush). Duplicates of the current round (answered with STATUS)
-    and retransmissions to the previous round (answered from the shadow copy) are listed in
-    replies[0, :counts[1]] and replies[1, :counts[2]]. counts[3..5] count stale, mismatched and
-    completed entries. The datagram has passed check_entries (R-V4, R-V5); this checks its slots
-    (R-V10). Returns OK or DROP_RANGE (then nothing was changed).
-    """
-    reason = check_slots(b, nent, regs.shape[0], seen, stamp)
-    if reason != OK:
-        return reason
-    bit = np.int64(1) << rank
-    row = 0
-    data0 = HDR + nent * ENT
-    for i in range(nent):
-        s, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
-        at = data0 + row * block_size * 4
-        if has:
-            row += 1
-        r = regs[s]
-        # R-A1: a bootstrap entry of a newer epoch starts the slot's next allreduce; the previous round
-        # (prev_*, shadow) is kept, so a worker that lost the old epoch's last result still gets it.
-        if block == BOOT and (r[SLOT_EPOCH] < 0 or _newer(epoch, r[SLOT_EPOCH])):
-            r[SLOT_EPOCH] = epoch
-            r[SLOT_BLOCK] = BOOT
-            r[SLOT_EXP] = NO_EXP
-            r[SLOT_TENSOR_BLOCKS] = tensor_blocks
-            r[BITMAP] = 0
-            r[COUNT] = 0
-            r[MIN_NEXT] = END
-            r[MIN_NEXT_EXP] = NO_EXP
-            if r[HAS_DATA_REG]:    # an abandoned round left a partial sum behind
-                acc[s, :] = 0
-            r[HAS_DATA_REG] = 0
-        if r[SLOT_EPOCH] == epoch and block == r[SLOT_BLOCK]:
-            if r[BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
-                replies[0, counts[1]] = s
-                counts[1] += 1
-                continue
-            if (has and exp != r[SLOT_EXP]) or r[SLOT_TENSOR_BLOCKS] != tensor_blocks:
-                # R-A5: the worker disagrees with the slot about the block's exponent or the tensor: never add
-                counts[4] += 1
-                continue
-            # R-A6: add it, mark the rank, count it, keep the minimum next
-            if has:
-                words = b[at: at + block_size * 4].view(np.uint32)
-                _add_swapped(words, acc[s])
-                r[HAS_DATA_REG] = 1
-            r[BITMAP] |= bit
-            r[COUNT] += 1
-            if nxt < r[MIN_NEXT]:
-                r[MIN_NEXT] = nxt
-                r[MIN_NEXT_EXP] = nexp
-            elif nxt == r[MIN_NEXT] and nexp > r[MIN_NEXT_EXP]:
-                r[MIN_NEXT_EXP] = nexp
-            if r[COUNT] == world:
-                # R-A7: complete: the result becomes the shadow copy, the slot moves to the minimum next
-                if r[HAS_DATA_REG]:
-                    shadow[s, :] = acc[s, :]
-                    acc[s, :] = 0
-                r[PREV_EPOCH] = r[SLOT_EPOCH]
-                r[PREV_BLOCK] = r[SLOT_BLOCK]
-                r[PREV_NEXT] = r[MIN_NEXT]
-                r[PREV_EXP] = r[SLOT_EXP]
-                r[PREV_NEXT_EXP] = r[MIN_NEXT_EXP]
-                r[PREV_HAS_DATA] = r[HAS_DATA_REG]
-                r[SLOT_BLOCK] = r[MIN_NEXT]
-                r[SLOT_EXP] = r[MIN_NEXT_EXP]
-                r[BITMAP] = 0
-                r[COUNT] = 0
-                r[MIN_NEXT] = END
-                r[MIN_NEXT_EXP] = NO_EXP
-                r[HAS_DATA_REG] = 0
-                counts[5] += 1
-                if not r[PENDING]:
-                    r[PENDING] = 1
-                    done[counts[0]] = s
-                    counts[0] += 1
-        elif r[PREV_EPOCH] == epoch and block == r[PREV_BLOCK]:
-            # R-A3: answered from the shadow copy, unless the round's RESULT still waits for the flush,
-            # which sends it to every worker (a reply now would overtake it and look like a loss)
-            if not r[PENDING]:
-                replies[1, counts[2]] = s
-                counts[2] += 1
-        else:
-            counts[3] += 1                      # R-A4: stale
-    return OK
-
-
-@njit(**JIT)
-def encode_slots(out, cuts, slots, nslots, status, regs, shadow, hdr, max_bytes):
-    """RESULT datagrams of the slots' previous rounds (from the shadow copy), or with `status`, STATUS
-    datagrams of their current rounds (`next` = bitmap of the ranks heard), into `out`.
-
-    hdr = (job, world, epoch, tensor_blocks, block_size). Cut by bytes: a result may need more datagrams
-    than the contribution that completed it. cuts[k] = (start, end); returns the number of datagrams.
-    """
-    B = hdr[4]
-    per_data = B * 4
-    budget = min(max_bytes, P.MAX_DATAGRAM) - HDR
-    ptype = P.STATUS if status else P.RESULT
-    nd = 0
-    pos = 0
-    i = 0
-    while i < nslots:
-        j = i
-        used = 0
-        while j < nslots and j - i < 0xFFFF:
-            has = regs[slots[j], PREV_HAS_DATA] != 0 and not status
-            cost = ENT + (per_data if has else 0)
-            if used + cost > budget and j > i:
-                break
-            used += cost
-            j += 1
-        put_header(out, pos, ptype, hdr[0], AGGREGATOR_RANK, hdr[1], hdr[2], hdr[3], B, j - i)
-        e = pos + HDR
-        d = e + (j - i) * ENT
-        for k in range(i, j):
-            s = slots[k]
-            r = regs[s]
-            if status:
-                put_entry(out, e, s, 0, r[SLOT_BLOCK], r[BITMAP], NO_EXP, NO_EXP)
-            else:
-                has = r[PREV_HAS_DATA] != 0
-                put_entry(out, e, s, HAS_DATA if has else 0, r[PREV_BLOCK], r[PREV_NEXT], r[PREV_EXP],
-                          r[PREV_NEXT_EXP])
-                if has:
-                    words = out[d: d + per_data].view(np.uint32)
-                    src = shadow[s]
-                    _copy_swapped(src.view(np.uint32), 0, B, words)
-                    d += per_data
-            e += ENT
-        cuts[nd, 0] = pos
-        cuts[nd, 1] = d
-        nd += 1
-        pos = d
-        i = j
-    return nd

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import spec
+from . import spec, wire
 from .spec import (AGGREGATOR_RANK, BOOT, DEFAULT_PORT, END, FEATURE_LEAVE, HAS_DATA, INT_EXP, JOIN_MAC_SIZE,
                    MAX_DATAGRAM, MAX_WORLD, NO_EXP, REFUSED_FULL, REFUSED_UNKNOWN_JOB, VERSION)
 
@@ -176,10 +176,9 @@ def check(datagram, takes=AGGREGATOR_TAKES) -> tuple[str, tuple | None]:
     if ptype not in takes:
         return "drop_type", fields                                  # R-V3
     if ptype == DATA:                                               # R-V4, R-V5
-        from . import kernels
-        reason, _ = kernels.check_entries(np.frombuffer(datagram, np.uint8), n, nent, block_size,
-                                          tensor_blocks, True)
-        return kernels.DROP_REASONS[reason], fields
+        reason, _ = wire.check_entries(np.frombuffer(datagram, np.uint8), n, nent, block_size,
+                                       tensor_blocks, True)
+        return wire.DROP_REASONS[reason], fields
     allowed = STATS_REQUEST_BODY if ptype == STATS else CONTROL_BODY[ptype]
     if nent or n - PACKET_HEADER_SIZE not in allowed:
         return "drop_length", fields                                # R-V4
@@ -216,14 +215,13 @@ def decode(buf, length: int | None = None) -> Datagram:
     if n < end_of_headers:
         raise ProtocolError("length", f"{nent} entries need {end_of_headers} bytes, got {n}")
     # The entry rules are checked by the same compiled code the aggregators run on every datagram.
-    from . import kernels
     raw = np.frombuffer(mv, np.uint8)
-    reason, rows = kernels.check_entries(raw, n, nent, bsize, tblocks, ptype in (DATA, RESULT))
+    reason, rows = wire.check_entries(raw, n, nent, bsize, tblocks, ptype in (DATA, RESULT))
     if not reason:
-        reason = kernels.check_slots(raw, nent, 0x10000, np.zeros(0x10000, np.int64), 1)
+        reason = wire.check_slots(raw, nent, 0x10000, np.zeros(0x10000, np.int64), 1)
     if reason:
-        raise ProtocolError(kernels.DROP_REASONS[reason].removeprefix("drop_"),
-                            _REASON_TEXT[kernels.DROP_REASONS[reason]])
+        raise ProtocolError(wire.DROP_REASONS[reason].removeprefix("drop_"),
+                            _REASON_TEXT[wire.DROP_REASONS[reason]])
     entries = np.frombuffer(mv, dtype=ENTRY_HEADER, count=nent, offset=PACKET_HEADER_SIZE)
     d = Datagram(header, entries, _EMPTY_ROWS)
     d.data = np.frombuffer(mv, dtype=WIRE_VALUE, count=rows * bsize, offset=end_of_headers).reshape(rows, bsize)

@@ -34,6 +34,15 @@ class Layout(NamedTuple):
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
+    def offset(self, name: str) -> int:
+        """The byte offset of field `name` in the header."""
+        at = 0
+        for f in self.fields:
+            if f.name == name:
+                return at
+            at += f.bits // 8
+        raise KeyError(name)
+
     def struct_format(self) -> str:
         """The `struct` format (fields of 8, 16 and 32 bits)."""
         codes = {(8, False): "B", (16, False): "H", (32, False): "I", (64, False): "Q", (16, True): "h", (32, True): "i",

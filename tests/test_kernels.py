@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from netsim import run
+from zerosum import aggregator_kernels as AK
 from zerosum import kernels as K
 from zerosum import protocol as P
 from zerosum.aggregator_machine import AggregatorMachine
@@ -321,7 +322,7 @@ def test_int_loops_and_copy_are_byte_swaps():
     K._store_ints(words, len(v), out, 1)
     assert np.array_equal(out[1:], v) and out[0] == 0
     acc = np.arange(len(v), dtype=np.int32)
-    K._add_swapped(words, acc)
+    AK._add_swapped(words, acc)
     assert np.array_equal(acc, (np.arange(len(v)) + v.astype(np.int64)).astype(np.int32))   # wraps as int32
 
 

@@ -1,0 +1,395 @@
+"""The aggregator's data path in compiled code, over one state record per job (`SlotTable`).
+
+- contribute: R-A1 ... R-A7 for the entries of one DATA datagram (the slot registers' update).
+- handle_data / flush_results: what AggregatorMachine does with a member's DATA datagram and with the
+  rounds completed since the last flush; their datagrams (RESULT to every member, STATUS and shadow
+  results to the sender) are encoded into the table's `wire` buffer and listed in `cuts`.
+- serve: the server's driver loop over a received batch, for every job at once: a DATA datagram of a
+  job's member that passes the stateless checks goes through handle_data; anything else (JOIN, LEAVE,
+  STATS, garbage, strangers) stops the loop at that datagram, so that the Python machines handle it in
+  arrival order with the full validation of docs/protocol.md. What the batch completed is flushed and
+  sent with sendmmsg (zerosum.transport) before serve returns.
+
+The slot registers carry the P4 program's names (REGISTERS), as columns of one int64 array.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from . import spec
+from . import transport as T
+from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_RANGE, DROP_REASONS, END, ENT, H_BLOCK_SIZE, H_EPOCH,
+                   H_ENTRIES, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, H_WORLD, HAS_DATA, HDR,
+                   JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, check_entries, check_slots,
+                   copy_swapped, get16, get32, put_entry, put_header, read_entry, swap32)
+
+# Slot registers: columns of the `regs` array (the P4 program's register names).
+(SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,
+ PREV_EPOCH, PREV_BLOCK, PREV_NEXT, PREV_EXP, PREV_NEXT_EXP, PREV_HAS_DATA, PENDING) = range(16)
+REGISTERS = ("slot_epoch", "slot_block", "slot_exp", "slot_tensor_blocks", "bitmap", "count", "min_next",
+             "min_next_exp", "has_data", "prev_epoch", "prev_block", "prev_next", "prev_exp", "prev_next_exp",
+             "prev_has_data", "pending")
+# slot_epoch -1: a slot no BOOT of this run has started (no 32-bit epoch equals it), so the run's first
+# BOOT starts it whatever its epoch, as a new generation does on the switch (R-A1).
+REGISTER_RESET = (-1, spec.END, spec.NO_EXP, 0, 0, 0, spec.END, spec.NO_EXP, 0, 0, spec.END, spec.END,
+                  spec.NO_EXP, spec.NO_EXP, 0, 0)
+
+# counters[] indices (spec.COUNTERS order) that the data path counts
+_C = spec.COUNTER_INDEX
+C_DATAGRAMS, C_ROUNDS, C_DUPLICATES, C_RETRANSMISSIONS = (_C[n] for n in (
+    "datagrams", "rounds", "duplicates", "retransmissions_answered"))
+C_STALE, C_MISMATCH = _C["drop_stale"], _C["drop_mismatch"]
+REASON_COUNTER = np.array([-1] + [_C[name] for name in DROP_REASONS[1:]], np.int64)
+
+# state[] of a SlotTable
+STAMP, PENDING_ROUNDS, PENDING_EPOCH, PENDING_TENSOR_BLOCKS, USED, NCUTS, HEARD = range(7)
+# counts[] of contribute: completed slots listed in `done`, duplicates, retransmissions, stale,
+# mismatched, completed rounds
+DONE, DUPS, RETX, STALE, MISMATCH, ROUNDS = range(6)
+
+
+class SlotTable(NamedTuple):
+    """One job's aggregation state, as the kernels see it (AggregatorMachine owns it)."""
+    regs: np.ndarray        # int64 [slots, 16]: the slot registers
+    acc: np.ndarray         # int32 [slots, block_size]: running sums
+    shadow: np.ndarray      # int32 [slots, block_size]: the previous round's result (R-A3)
+    geometry: np.ndarray    # int64 [4]: job, world, block_size, max_datagram
+    counters: np.ndarray    # int64 [len(spec.COUNTERS)]
+    seen: np.ndarray        # int64 [slots]: slots named by the current datagram (R-V10)
+    done: np.ndarray        # int64 [slots]: slots completed since the last flush
+    replies: np.ndarray     # int64 [2, slots]: this datagram's duplicates and retransmissions
+    counts: np.ndarray      # int64 [6]: see DONE ... ROUNDS
+    state: np.ndarray       # int64 [7]: see STAMP ... HEARD
+    wire: np.ndarray        # uint8: datagrams to send
+    cuts: np.ndarray        # int64 [n, 3]: (start, end, to every member 1 / to the sender 0) in wire
+    accept: np.ndarray      # int64 [MAX_WORLD]: address key DATA of rank r is taken from, -1: none
+    members: np.ndarray     # int64 [MAX_WORLD]: address key results go to, -1: none
+
+
+def slot_table(job: int, world: int, slots: int, block_size: int, max_datagram: int,
+               counters: np.ndarray) -> SlotTable:
+    per_slot = ENT + 4 * block_size + HDR
+    return SlotTable(np.tile(np.array(REGISTER_RESET, np.int64), (slots, 1)),
+                     np.zeros((slots, block_size), np.int32), np.zeros((slots, block_size), np.int32),
+                     np.array([job, world, block_size, max_datagram], np.int64),
+                     counters, np.zeros(slots, np.int64),
+                     np.zeros(slots, np.int64), np.zeros((2, slots), np.int64), np.zeros(6, np.int64),
+                     np.zeros(7, np.int64),
+                     # two halves, each with room for one call's output: a flush of every slot and the
+                     # replies to one datagram
+                     np.zeros(2 * 3 * slots * per_slot, np.uint8), np.zeros((3 * slots + 3, 3), np.int64),
+                     np.full(spec.MAX_WORLD, -1, np.int64), np.full(spec.MAX_WORLD, -1, np.int64))
+
+
+@njit(**JIT)
+def _newer(a, b):
+    """Serial-number comparison of 32-bit epochs (RFC 1982): a is after b."""
+    d = (a - b) & 0xFFFFFFFF
+    return d != 0 and d < 0x80000000
+
+
+@njit(**JIT)
+def _add_swapped(words, acc):
+    for v in range(acc.shape[0]):
+        w = words[v]
+        acc[v] += np.int32(swap32(w))
+
+
+@njit(**JIT)
+def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, acc, shadow, seen, stamp,
+               done, counts, replies):
+    """One DATA datagram from a member: validate it, then add its entries to their slots.
+
+    Completed rounds become the shadow copy and their slots are appended to `done` (counts[DONE] of
+    them; a slot is listed once until the next flush). Duplicates of the current round (answered with
+    STATUS) and retransmissions to the previous round (answered from the shadow copy) are listed in
+    replies[0, :counts[DUPS]] and replies[1, :counts[RETX]]. The datagram has passed check_entries
+    (R-V4, R-V5); this checks its slots (R-V10). Returns OK or DROP_RANGE (then nothing was changed).
+    """
+    reason = check_slots(b, nent, regs.shape[0], seen, stamp)
+    if reason != OK:
+        return reason
+    bit = np.int64(1) << rank
+    row = 0
+    data0 = HDR + nent * ENT
+    for i in range(nent):
+        s, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
+        at = data0 + row * block_size * 4
+        if has:
+            row += 1
+        r = regs[s]
+        # R-A1: a bootstrap entry of a newer epoch starts the slot's next allreduce; the previous round
+        # (prev_*, shadow) is kept, so a worker that lost the old epoch's last result still gets it.
+        if block == BOOT and (r[SLOT_EPOCH] < 0 or _newer(epoch, r[SLOT_EPOCH])):
+            r[SLOT_EPOCH] = epoch
+            r[SLOT_BLOCK] = BOOT
+            r[SLOT_EXP] = NO_EXP
+            r[SLOT_TENSOR_BLOCKS] = tensor_blocks
+            r[BITMAP] = 0
+            r[COUNT] = 0
+            r[MIN_NEXT] = END
+            r[MIN_NEXT_EXP] = NO_EXP
+            if r[HAS_DATA_REG]:    # an abandoned round left a partial sum behind
+                acc[s, :] = 0
+            r[HAS_DATA_REG] = 0
+        if r[SLOT_EPOCH] == epoch and block == r[SLOT_BLOCK]:
+            if r[BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
+                replies[0, counts[DUPS]] = s
+                counts[DUPS] += 1
+                continue
+            if (has and exp != r[SLOT_EXP]) or r[SLOT_TENSOR_BLOCKS] != tensor_blocks:
+                # R-A5: the worker disagrees with the slot about the block's exponent or the tensor: never add
+                counts[MISMATCH] += 1
+                continue
+            # R-A6: add it, mark the rank, count it, keep the minimum next
+            if has:
+                words = b[at: at + block_size * 4].view(np.uint32)
+                _add_swapped(words, acc[s])
+                r[HAS_DATA_REG] = 1
+            r[BITMAP] |= bit
+            r[COUNT] += 1
+            if nxt < r[MIN_NEXT]:
+                r[MIN_NEXT] = nxt
+                r[MIN_NEXT_EXP] = nexp
+            elif nxt == r[MIN_NEXT] and nexp > r[MIN_NEXT_EXP]:
+                r[MIN_NEXT_EXP] = nexp
+            if r[COUNT] == world:
+                # R-A7: complete: the result becomes the shadow copy, the slot moves to the minimum next
+                if r[HAS_DATA_REG]:
+                    shadow[s, :] = acc[s, :]
+                    acc[s, :] = 0
+                r[PREV_EPOCH] = r[SLOT_EPOCH]
+                r[PREV_BLOCK] = r[SLOT_BLOCK]
+                r[PREV_NEXT] = r[MIN_NEXT]
+                r[PREV_EXP] = r[SLOT_EXP]
+                r[PREV_NEXT_EXP] = r[MIN_NEXT_EXP]
+                r[PREV_HAS_DATA] = r[HAS_DATA_REG]
+                r[SLOT_BLOCK] = r[MIN_NEXT]
+                r[SLOT_EXP] = r[MIN_NEXT_EXP]
+                r[BITMAP] = 0
+                r[COUNT] = 0
+                r[MIN_NEXT] = END
+                r[MIN_NEXT_EXP] = NO_EXP
+                r[HAS_DATA_REG] = 0
+                counts[ROUNDS] += 1
+                if not r[PENDING]:
+                    r[PENDING] = 1
+                    done[counts[DONE]] = s
+                    counts[DONE] += 1
+        elif r[PREV_EPOCH] == epoch and block == r[PREV_BLOCK]:
+            # R-A3: answered from the shadow copy, unless the round's RESULT still waits for the flush,
+            # which sends it to every worker (a reply now would overtake it and look like a loss)
+            if not r[PENDING]:
+                replies[1, counts[RETX]] = s
+                counts[RETX] += 1
+        else:
+            counts[STALE] += 1                  # R-A4: stale
+    return OK
+
+
+@njit(**JIT)
+def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
+    """RESULT datagrams of the slots' previous rounds (from the shadow copy), or with `status`, STATUS
+    datagrams of their current rounds (`next` = bitmap of the ranks heard), appended to t.wire and
+    listed in t.cuts. Cut by bytes (geometry's max_datagram): a result may need more datagrams than
+    the contribution that completed it."""
+    job, world, B, max_bytes = t.geometry[0], t.geometry[1], t.geometry[2], t.geometry[3]
+    out, regs = t.wire, t.regs
+    per_data = B * 4
+    budget = min(max_bytes, MAX_DATAGRAM) - HDR
+    ptype = STATUS if status else RESULT
+    pos = t.state[USED]
+    i = 0
+    while i < nslots:
+        j = i
+        used = 0
+        while j < nslots and j - i < 0xFFFF:
+            has = regs[slots[j], PREV_HAS_DATA] != 0 and not status
+            cost = ENT + (per_data if has else 0)
+            if used + cost > budget and j > i:
+                break
+            used += cost
+            j += 1
+        put_header(out, pos, ptype, job, AGGREGATOR_RANK, world, epoch, tensor_blocks, B, j - i)
+        e = pos + HDR
+        d = e + (j - i) * ENT
+        for k in range(i, j):
+            s = slots[k]
+            r = regs[s]
+            if status:
+                put_entry(out, e, s, 0, r[SLOT_BLOCK], r[BITMAP], NO_EXP, NO_EXP)
+            else:
+                has = r[PREV_HAS_DATA] != 0
+                put_entry(out, e, s, HAS_DATA if has else 0, r[PREV_BLOCK], r[PREV_NEXT], r[PREV_EXP],
+                          r[PREV_NEXT_EXP])
+                if has:
+                    copy_swapped(t.shadow[s].view(np.uint32), 0, B, out[d: d + per_data].view(np.uint32))
+                    d += per_data
+            e += ENT
+        c = t.state[NCUTS]
+        t.cuts[c, 0] = pos
+        t.cuts[c, 1] = d
+        t.cuts[c, 2] = to_all
+        t.state[NCUTS] = c + 1
+        pos = d
+        i = j
+    t.state[USED] = pos
+
+
+@njit(**JIT)
+def flush_results(t):
+    """RESULT datagrams, for every member, of the rounds completed since the last flush (R-A7)."""
+    n = t.counts[DONE]
+    if n == 0:
+        return
+    for k in range(n):
+        t.regs[t.done[k], PENDING] = 0
+    t.counts[DONE] = 0
+    encode_slots(t, t.done, n, False, t.state[PENDING_EPOCH], t.state[PENDING_TENSOR_BLOCKS], 1)
+
+
+@njit(**JIT)
+def handle_data(t, b, n, nent, epoch, tensor_blocks, rank):
+    """A member's DATA datagram that passed R-V1 ... R-V10 up to its slots: R-V10's slot rule, then
+    R-A1 ... R-A7. Its replies (duplicates: STATUS; retransmissions: the shadow copy) go to the sender;
+    rounds of another allreduce that completed earlier are flushed first. Returns OK or the drop reason."""
+    if nent == 0:
+        t.counters[C_DATAGRAMS] += 1
+        return OK
+    counts, state = t.counts, t.state
+    if counts[DONE] and (state[PENDING_EPOCH] != epoch or state[PENDING_TENSOR_BLOCKS] != tensor_blocks):
+        flush_results(t)     # rounds of another allreduce completed since the last flush: send them first
+    for k in range(1, 6):
+        counts[k] = 0
+    state[STAMP] += 1
+    world, B = t.geometry[1], t.geometry[2]
+    reason = contribute(b, n, nent, epoch, tensor_blocks, rank, world, B, t.regs, t.acc, t.shadow, t.seen,
+                        state[STAMP], t.done, counts, t.replies)
+    if reason != OK:
+        t.counters[REASON_COUNTER[reason]] += 1
+        return reason
+    if counts[DONE]:
+        state[PENDING_EPOCH] = epoch
+        state[PENDING_TENSOR_BLOCKS] = tensor_blocks
+    t.counters[C_DATAGRAMS] += 1
+    t.counters[C_STALE] += counts[STALE]
+    t.counters[C_MISMATCH] += counts[MISMATCH]
+    t.counters[C_ROUNDS] += counts[ROUNDS]
+    if counts[DUPS]:
+        t.counters[C_DUPLICATES] += counts[DUPS]
+        encode_slots(t, t.replies[0], counts[DUPS], True, epoch, tensor_blocks, 0)
+    if counts[RETX]:
+        t.counters[C_RETRANSMISSIONS] += counts[RETX]
+        encode_slots(t, t.replies[1], counts[RETX], False, epoch, tensor_blocks, 0)
+    return OK
+
+
+# -- the server's driver loop ----------------------------------------------------------------------------
+
+@njit(**JIT)
+def _classify(b, size, source, job_ids, tables):
+    """The table index of a job whose member sent this well-formed DATA datagram, or -1 (for Python)."""
+    if size < HDR or b[H_VERSION] != VERSION or b[H_TYPE] != DATA:
+        return -1
+    job = get16(b, H_JOB)
+    for k in range(job_ids.shape[0]):
+        if job_ids[k] == job:
+            t = tables[k]
+            rank = get16(b, H_RANK)
+            if rank >= t.accept.shape[0] or t.accept[rank] != source or t.accept[rank] < 0:
+                return -1
+            if get16(b, H_WORLD) != t.geometry[1] or get16(b, H_BLOCK_SIZE) != t.geometry[2]:
+                return -1
+            reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS),
+                                      True)
+            return k if reason == OK else -1
+    return -1
+
+
+@njit(**JIT)
+def _room(t, fd, tx):
+    """Make room in t.wire for one call's output: send what is queued (all of it points into wires),
+    then start the buffer over."""
+    half = t.wire.shape[0] // 2
+    if t.state[USED] > half:
+        T.send(fd, tx)
+        t.state[USED] = 0
+
+
+@njit(**JIT)
+def _drain(t, fd, tx, source, loss):
+    """Queue t's listed datagrams: to every member, or to `source`."""
+    base = t.wire.ctypes.data
+    n = t.state[NCUTS]
+    starts = t.cuts[:n, 0]
+    ends = t.cuts[:n, 1]
+    i = 0
+    while i < n:
+        j = i
+        while j < n and t.cuts[j, 2] == t.cuts[i, 2]:
+            j += 1
+        for r in range(t.members.shape[0] if t.cuts[i, 2] else 1):
+            dest = t.members[r] if t.cuts[i, 2] else source
+            if dest < 0:
+                continue
+            if loss > 0.0:
+                for k in range(i, j):
+                    if np.random.random() >= loss:
+                        T.queue(fd, tx, base + starts[k], ends[k] - starts[k], dest, 0)
+            else:
+                T.queue_datagrams(fd, tx, base, starts[i:j], ends[i:j], j - i, dest)
+        i = j
+    t.state[NCUTS] = 0
+
+
+@njit(**JIT)
+def _finish(tables, fd, tx, loss):
+    for k in range(len(tables)):
+        t = tables[k]
+        _room(t, fd, tx)
+        flush_results(t)
+        _drain(t, fd, tx, -1, loss)
+    T.send(fd, tx)
+    for k in range(len(tables)):
+        tables[k].state[USED] = 0
+
+
+@njit(**JIT)
+def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
+    """Take the received batch from datagram (i, off) on: DATA of the jobs' members through handle_data,
+    replies and results queued and sent. Returns (i, off) of the first datagram for Python (JOIN, LEAVE,
+    STATS, anything malformed or from a stranger), or (n, 0) when the batch is done. Either way, the
+    rounds completed so far have been flushed and everything queued has been sent."""
+    while i < n:
+        length, seg = rx.length[i], rx.seg[i]
+        source = rx.source[i]
+        while off < length:
+            size = min(seg, length - off)
+            b = rx.buf[i, off: off + size]
+            if loss > 0.0 and np.random.random() < loss:
+                off += seg
+                continue
+            k = _classify(b, size, source, job_ids, tables)
+            if k < 0:
+                _finish(tables, fd, tx, loss)
+                return i, off
+            t = tables[k]
+            _room(t, fd, tx)
+            handle_data(t, b, size, get16(b, H_ENTRIES), get32(b, H_EPOCH), get32(b, H_TENSOR_BLOCKS),
+                        get16(b, H_RANK))
+            t.state[HEARD] = 1
+            _drain(t, fd, tx, source, loss)
+            off += seg
+        i += 1
+        off = 0
+    _finish(tables, fd, tx, loss)
+    return n, 0
+
+
+@njit(**JIT)
+def seed(value):
+    """Seed the compiled code's random numbers (the simulated loss)."""
+    np.random.seed(value)

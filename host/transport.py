@@ -1,0 +1,370 @@
+"""Batched UDP I/O for both endpoints, in compiled code: recvmmsg/sendmmsg, UDP GSO and GRO.
+
+Python's socket module moves one datagram per system call and per trip through the interpreter, which
+is what capped ZeroSum at loopback's 64 KiB datagrams and made MTU-sized ones unusable. Here the calls
+are libc's, made from numba kernels (`nogil`), so a driver loop can receive, process and answer a batch
+of datagrams without entering Python, as QUIC stacks do (quinn-udp, quiche, msquic):
+
+- `receive(fd, rx, timeout_ms)`: poll(2) up to the timeout, then one recvmmsg(2) of up to RX_BATCH
+  datagrams with their source addresses. With UDP GRO on (Linux >= 5.0, `UDP_GRO`), one buffer may hold
+  several datagrams of one sender, all `seg` bytes long but the last: `segments(rx, i)` walks them.
+- `queue(tx, ...)` / `send(fd, tx)`: datagrams to send are queued as (memory, length, destination,
+  segment size) and go out with sendmmsg(2), up to TX_BATCH at a time. A run of equally long datagrams
+  to one destination that lie back to back in memory goes out as one GSO message (`UDP_SEGMENT`, Linux
+  >= 4.18): the kernel cuts it into the datagrams, so a small datagram costs no system call of its own.
+  A send that fails with EIO or EINVAL (no checksum offload on the device, an old kernel) turns GSO off
+  for the socket and sends the same datagrams one by one (as Tailscale does on EIO).
+
+Every datagram on the wire is an ordinary UDP datagram: GSO and GRO change how many cross the system
+call boundary at once, never what a receiver without them sees. The structures are Linux's LP64 ABI
+(x86-64, aarch64); `open_endpoint` detects at start-up what the kernel offers (`Endpoint.features`).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+from typing import NamedTuple
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+JIT = dict(cache=True, nogil=True)
+
+RX_BATCH = 64          # datagrams (or GRO buffers) per recvmmsg
+TX_BATCH = 256         # messages per sendmmsg (each may be a GSO run of datagrams)
+RX_CAPACITY = 65536    # bytes per receive buffer: a datagram, or a GRO buffer of several
+GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of Linux 4.18..6.x
+GSO_MAX_BYTES = 65507  # a GSO message is one UDP payload before it is cut
+
+SOL_UDP = 17
+UDP_SEGMENT = 103
+UDP_GRO = 104
+IP_MTU = 14
+MSG_DONTWAIT = 0x40
+POLLIN, POLLOUT = 0x1, 0x4
+EAGAIN, EINTR, EIO, EINVAL, EMSGSIZE = 11, 4, 5, 22, 90
+AF_INET = 2
+
+# libc, resolved by name when a kernel is linked (so the kernels stay in numba's on-disk cache).
+# Pointers are passed as integers (uintp): the same registers in the LP64 calling conventions.
+_recvmmsg = types.ExternalFunction("recvmmsg", types.intc(types.intc, types.uintp, types.uintc, types.intc,
+                                                           types.uintp))
+_sendmmsg = types.ExternalFunction("sendmmsg", types.intc(types.intc, types.uintp, types.uintc, types.intc))
+_poll = types.ExternalFunction("poll", types.intc(types.uintp, types.uint64, types.intc))
+_errno_location = types.ExternalFunction("__errno_location", types.uintp())
+_clock_gettime = types.ExternalFunction("clock_gettime", types.intc(types.intc, types.uintp))
+CLOCK_MONOTONIC = 1
+
+
+@intrinsic
+def _load_i32(typingctx, address):
+    """The int32 at a machine address (errno)."""
+    def codegen(context, builder, signature, args):
+        return builder.load(builder.inttoptr(args[0], ir.IntType(32).as_pointer()))
+    return types.int32(types.uintp), codegen
+
+
+@njit(**JIT)
+def errno():
+    return np.int64(_load_i32(_errno_location()))
+
+
+@njit(**JIT)
+def monotonic(clock):
+    """time.monotonic() (CLOCK_MONOTONIC) from compiled code; `clock` is a 2-element int64 scratch array."""
+    _clock_gettime(CLOCK_MONOTONIC, clock.ctypes.data)
+    return np.float64(clock[0]) + np.float64(clock[1]) * 1e-9
+
+
+class RxBatch(NamedTuple):
+    """Receive buffers and the kernel structures that point at them (set up once; see rx_batch)."""
+    buf: np.ndarray       # uint8 [RX_BATCH, RX_CAPACITY]
+    hdrs: np.ndarray      # uint64 [RX_BATCH, 8]: struct mmsghdr
+    names: np.ndarray     # uint8 [RX_BATCH, 16]: struct sockaddr_in
+    ctrl: np.ndarray      # uint64 [RX_BATCH, 4]: control messages (the GRO segment size)
+    length: np.ndarray    # int64 [RX_BATCH]: bytes received
+    source: np.ndarray    # int64 [RX_BATCH]: the sender, ip << 16 | port
+    seg: np.ndarray       # int64 [RX_BATCH]: GRO segment size, or the length when not coalesced
+    pollfd: np.ndarray    # int32 [2]: struct pollfd
+    clock: np.ndarray     # int64 [2]: struct timespec
+
+
+class TxQueue(NamedTuple):
+    """Datagrams queued for sendmmsg (see tx_queue). state = [queued, gso on, send errors, messages
+    sent, datagrams sent, gso fallbacks]."""
+    hdrs: np.ndarray      # uint64 [TX_BATCH, 8]
+    iov: np.ndarray       # uint64 [TX_BATCH, 2]
+    names: np.ndarray     # uint8 [TX_BATCH, 16]
+    ctrl: np.ndarray      # uint64 [TX_BATCH, 3]: one UDP_SEGMENT control message each
+    seg: np.ndarray       # int64 [TX_BATCH]: segment size of a GSO message, 0 for a plain datagram
+    state: np.ndarray     # int64 [6]
+    pollfd: np.ndarray    # int32 [2]
+
+
+QUEUED, GSO_ON, SEND_ERRORS, MESSAGES, DATAGRAMS, GSO_FALLBACKS = range(6)
+
+
+def rx_batch() -> RxBatch:
+    rx = RxBatch(np.zeros((RX_BATCH, RX_CAPACITY), np.uint8), np.zeros((RX_BATCH, 8), np.uint64),
+                 np.zeros((RX_BATCH, 16), np.uint8), np.zeros((RX_BATCH, 4), np.uint64),
+                 np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64),
+                 np.zeros(2, np.int32), np.zeros(2, np.int64))
+    iov = np.zeros((RX_BATCH, 2), np.uint64)
+    for i in range(RX_BATCH):
+        iov[i] = (rx.buf[i].ctypes.data, RX_CAPACITY)
+        # struct msghdr: name, namelen, iov, iovlen, control, controllen, flags; then msg_len
+        rx.hdrs[i, 0] = rx.names[i].ctypes.data
+        rx.hdrs[i, 2] = iov[i].ctypes.data
+        rx.hdrs[i, 3] = 1
+        rx.hdrs[i, 4] = rx.ctrl[i].ctypes.data
+    _keep[id(rx)] = iov      # the iovecs must live as long as the batch
+    return rx
+
+
+def tx_queue(gso: bool) -> TxQueue:
+    tx = TxQueue(np.zeros((TX_BATCH, 8), np.uint64), np.zeros((TX_BATCH, 2), np.uint64),
+                 np.zeros((TX_BATCH, 16), np.uint8), np.zeros((TX_BATCH, 3), np.uint64),
+                 np.zeros(TX_BATCH, np.int64), np.zeros(6, np.int64), np.zeros(2, np.int32))
+    tx.state[GSO_ON] = int(gso)
+    for i in range(TX_BATCH):
+        tx.hdrs[i, 0] = tx.names[i].ctypes.data
+        tx.hdrs[i, 1] = 16
+        tx.hdrs[i, 2] = tx.iov[i].ctypes.data
+        tx.hdrs[i, 3] = 1
+        # struct cmsghdr {len = CMSG_LEN(2), level SOL_UDP, type UDP_SEGMENT}, then the u16 segment size
+        tx.ctrl[i, 0] = 16 + 2
+        tx.ctrl[i, 1] = SOL_UDP | (UDP_SEGMENT << 32)
+        tx.names[i, :2] = np.frombuffer(struct.pack("=H", AF_INET), np.uint8)
+    return tx
+
+
+_keep: dict = {}
+
+
+@njit(**JIT)
+def _wait(pollfd, fd, events, timeout_ms):
+    """poll(2) one descriptor; True when it is ready."""
+    pollfd[0] = fd
+    pollfd[1] = events
+    return _poll(pollfd.ctypes.data, 1, timeout_ms) > 0
+
+
+@njit(**JIT)
+def receive(fd, rx, timeout_ms):
+    """Up to RX_BATCH datagrams (or GRO buffers) into rx; waits up to timeout_ms (0: not at all, -1:
+    forever) for the first. Returns how many (0 on timeout or error: ICMP errors are reported once and
+    cleared by the call, so the next call goes on)."""
+    if timeout_ms != 0 and not _wait(rx.pollfd, fd, POLLIN, timeout_ms):
+        return 0
+    n = rx.hdrs.shape[0]
+    for i in range(n):
+        rx.hdrs[i, 1] = 16              # msg_namelen
+        rx.hdrs[i, 5] = 32              # msg_controllen
+        rx.ctrl[i, 0] = 0
+    got = _recvmmsg(fd, rx.hdrs.ctypes.data, n, MSG_DONTWAIT, 0)
+    if got <= 0:
+        return 0
+    for i in range(got):
+        length = np.int64(rx.hdrs[i, 7] & np.uint64(0xFFFFFFFF))    # msg_len
+        rx.length[i] = length
+        nm = rx.names[i]
+        port = (np.int64(nm[2]) << 8) | np.int64(nm[3])
+        ip = (np.int64(nm[4]) << 24) | (np.int64(nm[5]) << 16) | (np.int64(nm[6]) << 8) | np.int64(nm[7])
+        rx.source[i] = (ip << 16) | port
+        seg = length
+        if rx.hdrs[i, 5] >= 20:         # a control message came back: the GRO segment size
+            c = rx.ctrl[i]
+            if (c[1] & np.uint64(0xFFFFFFFF)) == SOL_UDP and (c[1] >> np.uint64(32)) == UDP_GRO:
+                s = np.int64(c[2] & np.uint64(0xFFFFFFFF))
+                if 0 < s < length:
+                    seg = s
+        rx.seg[i] = seg if seg > 0 else 1
+    return got
+
+
+@njit(**JIT)
+def queue(fd, tx, address, length, destination, seg):
+    """Queue `length` bytes at machine address `address` to `destination` (ip << 16 | port); `seg` > 0
+    asks for GSO: the bytes are datagrams of `seg` bytes each (the last may be shorter). Sends the
+    queue first when it is full. The memory must stay as it is until the queue is sent."""
+    k = tx.state[QUEUED]
+    if k == tx.hdrs.shape[0]:
+        send(fd, tx)
+        k = 0
+    tx.iov[k, 0] = address
+    tx.iov[k, 1] = length
+    nm = tx.names[k]
+    port = destination & 0xFFFF
+    ip = destination >> 16
+    nm[2] = (port >> 8) & 0xFF
+    nm[3] = port & 0xFF
+    nm[4] = (ip >> 24) & 0xFF
+    nm[5] = (ip >> 16) & 0xFF
+    nm[6] = (ip >> 8) & 0xFF
+    nm[7] = ip & 0xFF
+    if seg > 0 and seg < length:
+        tx.ctrl[k, 2] = seg
+        tx.hdrs[k, 4] = tx.ctrl[k].ctypes.data
+        tx.hdrs[k, 5] = 24                  # CMSG_SPACE(sizeof(uint16_t))
+        tx.seg[k] = seg
+    else:
+        tx.hdrs[k, 4] = 0
+        tx.hdrs[k, 5] = 0
+        tx.seg[k] = 0
+    tx.state[QUEUED] = k + 1
+
+
+@njit(**JIT)
+def queue_datagrams(fd, tx, base, starts, ends, n, destination):
+    """Queue datagrams [starts[i], ends[i]) of the buffer at machine address `base` to one destination,
+    in order; with GSO on, runs of equally long datagrams that lie back to back go as one message."""
+    i = 0
+    gso = tx.state[GSO_ON] != 0
+    while i < n:
+        size = ends[i] - starts[i]
+        j = i + 1
+        if gso:
+            total = size
+            while (j < n and j - i < GSO_MAX_SEGMENTS and starts[j] == ends[j - 1]
+                   and ends[j] - starts[j] <= size and total + ends[j] - starts[j] <= GSO_MAX_BYTES):
+                total += ends[j] - starts[j]
+                j += 1
+                if ends[j - 1] - starts[j - 1] < size:   # a shorter datagram can only end a run
+                    break
+        queue(fd, tx, base + starts[i], ends[j - 1] - starts[i], destination, size if j - i > 1 else 0)
+        i = j
+
+
+@njit(**JIT)
+def send(fd, tx):
+    """Send everything queued (sendmmsg); returns the number of datagrams that failed. A full socket
+    buffer is waited for (poll, at most 1 s at a time); other errors drop the message (counted), as a
+    loss would; EIO/EINVAL on a GSO message turns GSO off and sends its datagrams one by one."""
+    k = tx.state[QUEUED]
+    done = 0
+    failed = 0
+    while done < k:
+        r = _sendmmsg(fd, tx.hdrs.ctypes.data + done * 64, k - done, 0)
+        if r > 0:
+            for i in range(done, done + r):
+                tx.state[MESSAGES] += 1
+                s = tx.seg[i]
+                tx.state[DATAGRAMS] += (np.int64(tx.iov[i, 1]) + s - 1) // s if s > 0 else 1
+            done += r
+            continue
+        e = errno()
+        if e == EINTR:
+            continue
+        if e == EAGAIN:
+            _wait(tx.pollfd, fd, POLLOUT, 1000)
+            continue
+        if tx.seg[done] > 0 and (e == EIO or e == EINVAL):
+            tx.state[GSO_ON] = 0
+            tx.state[GSO_FALLBACKS] += 1
+            failed += _send_unsegmented(fd, tx, done)
+        else:
+            failed += 1
+            tx.state[SEND_ERRORS] += 1
+        done += 1
+    tx.state[QUEUED] = 0
+    return failed
+
+
+@njit(**JIT)
+def _send_unsegmented(fd, tx, k):
+    """The datagrams of GSO message k, one sendmmsg message each (in slots after the queue's end would
+    not fit: reuse message k's own slot, one datagram at a time)."""
+    base = np.int64(tx.iov[k, 0])
+    total = np.int64(tx.iov[k, 1])
+    seg = tx.seg[k]
+    tx.hdrs[k, 4] = 0
+    tx.hdrs[k, 5] = 0
+    failed = 0
+    off = 0
+    while off < total:
+        size = min(seg, total - off)
+        tx.iov[k, 0] = base + off
+        tx.iov[k, 1] = size
+        while True:
+            r = _sendmmsg(fd, tx.hdrs.ctypes.data + k * 64, 1, 0)
+            if r == 1:
+                tx.state[MESSAGES] += 1
+                tx.state[DATAGRAMS] += 1
+                break
+            e = errno()
+            if e == EINTR:
+                continue
+            if e == EAGAIN:
+                _wait(tx.pollfd, fd, POLLOUT, 1000)
+                continue
+            failed += 1
+            tx.state[SEND_ERRORS] += 1
+            break
+        off += size
+    return failed
+
+
+# -- sockets ------------------------------------------------------------------------------------------
+
+def address_key(address: tuple[str, int]) -> int:
+    """(ip, port) as the int the kernels use: ip << 16 | port."""
+    return (int.from_bytes(socket.inet_aton(address[0]), "big") << 16) | address[1]
+
+
+def address_of(key: int) -> tuple[str, int]:
+    return socket.inet_ntoa((key >> 16).to_bytes(4, "big")), key & 0xFFFF
+
+
+class Features(NamedTuple):
+    batched: bool     # recvmmsg/sendmmsg through libc (Linux, LP64)
+    gso: bool         # UDP_SEGMENT
+    gro: bool         # UDP_GRO
+
+    def describe(self) -> str:
+        if not self.batched:
+            return "one datagram per system call (no recvmmsg/sendmmsg here)"
+        return ("recvmmsg/sendmmsg" + (", UDP GSO" if self.gso else ", no UDP GSO")
+                + (", UDP GRO" if self.gro else ", no UDP GRO"))
+
+
+def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
+    """What this kernel offers on `sock`, turning GRO on where it exists (`gso`/`gro` False: do not use)."""
+    batched = sys.platform.startswith("linux") and struct.calcsize("P") == 8
+    have_gso = have_gro = False
+    if batched and gso:
+        try:
+            sock.setsockopt(SOL_UDP, UDP_SEGMENT, 0)     # 0: no default segment size; probes support
+            have_gso = True
+        except OSError:
+            pass
+    if batched and gro:
+        try:
+            sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+            have_gro = True
+        except OSError:
+            pass
+    return Features(batched, have_gso, have_gro)
+
+
+def path_mtu(address: tuple[str, int]) -> int | None:
+    """The MTU of the route to `address` (IP_MTU on a connected UDP socket), None where unknown."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(address)
+            return s.getsockopt(socket.IPPROTO_IP, IP_MTU)
+    except OSError:
+        return None
+
+
+def datagram_limit(addresses, cap: int) -> int:
+    """The largest UDP payload that reaches every address without IP fragments: path MTU - 28 (IPv4 and
+    UDP headers), at most `cap` (65,507 on loopback, whose MTU is 65,536)."""
+    limit = cap
+    for a in addresses:
+        mtu = path_mtu(a)
+        if mtu:
+            limit = min(limit, mtu - 28)
+    return limit
