@@ -74,7 +74,7 @@ class AggregatorServer:
         self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)
         if seed is not None:
-            AK.seed(seed)
+            T.seed_loss(seed)
         self.address = self.sock.getsockname()
         self.features = T.detect(self.sock)
         self._rx = T.rx_batch()

@@ -387,9 +387,3 @@ def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
         off = 0
     _finish(tables, fd, tx, loss)
     return n, 0
-
-
-@njit(**JIT)
-def seed(value):
-    """Seed the compiled code's random numbers (the simulated loss)."""
-    np.random.seed(value)

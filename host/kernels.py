@@ -19,13 +19,16 @@ which is what np.ldexp gives. Powers of two are built with math.ldexp (exact on 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from . import protocol as P
+from . import transport as T
 
-from .wire import (AGGREGATOR_RANK, BOOT, DROP_REASONS, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,  # noqa: F401
+from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, VERSION,  # noqa: F401
+                   AGGREGATOR_RANK, BOOT, DROP_REASONS, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,
                    check_entries, check_slots, copy_swapped as _copy_swapped, get16, get32, get_s16,
                    put_entry, put_header, read_entry, swap32 as _swap)
 
@@ -411,3 +414,256 @@ def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, 
             d = max(first[a], last_heard[a] + base_rto)
         t = min(t, d)
     return t
+
+
+# -- the worker's state record and driver loop ----------------------------------------------------------
+
+class WorkerState(NamedTuple):
+    """An allreduce's state as the kernels see it (AllreduceMachine owns it; see its docstring)."""
+    hdr: np.ndarray            # int64 [6]: job, rank, world, epoch, tensor_blocks, block_size
+    round_block: np.ndarray    # int64 [S]: per column, the block of its current round (BOOT, END)
+    round_exp: np.ndarray      # int64 [S]: its agreed exponent
+    mine_pos: np.ndarray       # int64 [S]: position in seq of the column's own next non-zero block
+    col_stop: np.ndarray       # int64 [S]: end of the column's run in seq
+    seq: np.ndarray            # int64: own non-zero blocks by (column, block), then END
+    seq_exp: np.ndarray        # int64: their exponents
+    seq_row: np.ndarray        # int64: their rows in src
+    src: np.ndarray            # float32 or uint32: the input values
+    ready: np.ndarray          # bool [S]: the next round's entry is still to send
+    deadline: np.ndarray       # float64 [S]: retransmission timers (R-L1)
+    rto: np.ndarray            # float64 [S]
+    sent_at: np.ndarray        # float64 [S]: first transmission of the round (NaN once retransmitted)
+    waiting_for: np.ndarray    # int64 [S]: bitmap of the last STATUS (ranks heard), -1: probe pending
+    status_seen: np.ndarray    # bool [S]
+    probe: np.ndarray          # int64 [A]: the column sent alone to test for loss (R-L2), -1: none
+    loss_confirmed: np.ndarray  # bool [A]
+    last_heard: np.ndarray     # float64 [A]
+    slots_used: np.ndarray     # int64 [A]
+    allow: np.ndarray          # int64 [A]: scratch for take_expired
+    cols: np.ndarray           # int64 [S]: scratch: columns to send
+    seen: np.ndarray           # int64: scratch for check_slots
+    out: np.ndarray            # uint8: datagrams to send
+    cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out
+    values: np.ndarray         # float32 or int32: where sums go (DenseResult/CollectedBlocks .flat)
+    blocks_out: np.ndarray     # int64: with collect, the block of each row of values
+    counts: np.ndarray         # int64 [3]: duplicates, rows used, columns done
+    f: np.ndarray              # float64 [F_*]
+    i: np.ndarray              # int64 [I_*]
+    drops: np.ndarray          # int64 [len(WORKER_DROPS)]
+
+
+# f[]: timing
+F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR = range(8)
+# i[]: everything else
+(I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
+ I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
+ I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION) = range(18)
+# what a worker drops, by name (AllreduceMachine.drops)
+WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
+                "range", "duplicate_result", "unknown_source")
+(D_SHORT, D_VERSION, D_TYPE, D_FOREIGN, D_STALE_EPOCH, D_GEOMETRY, D_LENGTH, D_FLAGS, D_EXPONENT, D_RANGE,
+ D_DUPLICATE, D_UNKNOWN_SOURCE) = range(12)
+_DROP_OF_REASON = np.array([-1, D_LENGTH, D_FLAGS, D_EXPONENT, D_RANGE], np.int64)   # by wire.DROP_*
+_KNOWN_TYPES = np.array(sorted(P.TYPE_NAMES), np.int64)
+
+# receive_one's outcome: APPLIED (0), a VIOLATION_* (> 0), or one of these
+DROPPED, PROBE_OUT = -1, -2
+
+
+@njit(**JIT)
+def measure(st, r):
+    """Adapt the retransmission timeout to a round-trip sample (RFC 6298, section 2)."""
+    f = st.f
+    if not st.i[I_HAS_SRTT]:
+        f[F_SRTT] = r
+        f[F_RTTVAR] = r / 2
+        st.i[I_HAS_SRTT] = 1
+    else:
+        f[F_RTTVAR] = 0.75 * f[F_RTTVAR] + 0.25 * abs(f[F_SRTT] - r)
+        f[F_SRTT] = 0.875 * f[F_SRTT] + 0.125 * r
+    update_rto(st)
+
+
+@njit(**JIT)
+def update_rto(st):
+    """The base timeout from the estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298, 2.3)."""
+    f = st.f
+    f[F_BASE_RTO] = min(max(f[F_SRTT] + 4 * f[F_RTTVAR], f[F_MIN_RTO]), f[F_MAX_RTO])
+
+
+@njit(**JIT)
+def receive_one(st, b, n, aggregator, now):
+    """One datagram from aggregator index `aggregator`: the reply checks (a JOIN_ACK is a late answer to
+    a join, harmless), then apply_datagram. Returns APPLIED, PROBE_OUT (applied, and a probe to that
+    aggregator is outstanding: the machine decides what the answer means), DROPPED (counted in drops),
+    or a VIOLATION_* (R-L4; the block in i[I_BAD_BLOCK])."""
+    hdr = st.hdr
+    if n < HDR:
+        st.drops[D_SHORT] += 1
+        return DROPPED
+    if b[H_VERSION] != VERSION:
+        st.drops[D_VERSION] += 1
+        return DROPPED
+    ptype = np.int64(b[H_TYPE])
+    known = False
+    for t in _KNOWN_TYPES:
+        known |= t == ptype
+    if not known:
+        st.drops[D_TYPE] += 1
+        return DROPPED
+    if get16(b, H_JOB) != hdr[0] or get16(b, H_RANK) != AGGREGATOR_RANK:
+        st.drops[D_FOREIGN] += 1
+        return DROPPED
+    if ptype == P.JOIN_ACK:
+        return DROPPED     # a late answer to a join: harmless, not counted
+    if ptype != P.RESULT and ptype != P.STATUS:
+        st.drops[D_TYPE] += 1
+        return DROPPED
+    if get32(b, H_EPOCH) != hdr[3]:
+        st.drops[D_STALE_EPOCH] += 1
+        return DROPPED
+    if get32(b, H_TENSOR_BLOCKS) != hdr[4] or get16(b, H_BLOCK_SIZE) != hdr[5]:
+        st.drops[D_GEOMETRY] += 1
+        return DROPPED
+    nent = get16(b, H_ENTRIES)
+    if nent == 0:
+        return DROPPED
+    st.i[I_STAMP] += 1
+    S = st.round_block.shape[0]
+    A = st.probe.shape[0]
+    code, rtt, block = apply_datagram(
+        b, n, ptype, nent, aggregator, A, st.slots_used[aggregator], hdr, st.i[I_IS_INT] != 0,
+        st.i[I_PRECISION], np.float32(st.f[F_DIVISOR]), st.round_block, st.round_exp, st.mine_pos, st.col_stop,
+        st.seq, st.ready, st.deadline, st.rto, st.sent_at, st.waiting_for, st.status_seen, st.f[F_BASE_RTO],
+        st.f[F_MAX_RTO], now, st.values, st.values.size, st.i[I_COLLECT] != 0, st.blocks_out, st.counts,
+        st.seen, st.i[I_STAMP])
+    if code < 0:
+        st.drops[_DROP_OF_REASON[-code]] += 1
+        return DROPPED
+    if code > 0:
+        st.i[I_BAD_BLOCK] = block
+        return code                                   # R-L4
+    st.last_heard[aggregator] = now
+    if ptype == P.RESULT:
+        st.f[F_LAST_PROGRESS] = now
+        st.i[I_REMAINING] = S - st.counts[2]
+        if rtt >= 0:
+            measure(st, rtt)
+    if st.counts[0]:
+        st.drops[D_DUPLICATE] += st.counts[0]         # R-L4
+        st.counts[0] = 0
+    return PROBE_OUT if st.probe[aggregator] >= 0 else APPLIED
+
+
+@njit(**JIT)
+def encode_columns(st, ncols):
+    """Build this round's entries for st.cols[:ncols], fused into datagrams; returns how many."""
+    nd = encode_data(st.out, st.cuts, st.cols, ncols, st.probe.shape[0], st.hdr, st.round_block, st.round_exp,
+                     st.mine_pos, st.col_stop, st.seq, st.seq_exp, st.seq_row, st.src, st.i[I_SOURCE_N],
+                     st.i[I_IS_INT] != 0, st.i[I_PRECISION], st.i[I_MAX_DATAGRAM], st.i[I_MAX_ENTRIES])
+    if nd:
+        st.i[I_BYTES_SENT] += st.cuts[nd - 1, 2]
+    return nd
+
+
+@njit(**JIT)
+def flush_ready(st, now):
+    """The next round's entries of every column that got its result since the last flush (R-A8), within
+    the window (R-L6); returns the number of datagrams built (st.cuts)."""
+    S = st.round_block.shape[0]
+    if st.i[I_ADMITTED] < S:
+        st.i[I_ADMITTED] = admit(st.round_block, st.i[I_ADMITTED], st.i[I_WINDOW])
+    n = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now, st.round_block,
+                   st.i[I_ADMITTED])
+    return encode_columns(st, n) if n else 0
+
+
+@njit(**JIT)
+def timer(st):
+    """When the machine next needs poll(): a column's timer expired while its aggregator is quiet, or
+    the allreduce timed out (R-L1, R-L2, R-L5); inf when done."""
+    if st.i[I_REMAINING] == 0:
+        return np.inf
+    t = next_timer(st.round_block, st.deadline, st.probe.shape[0], st.last_heard, st.f[F_BASE_RTO], st.probe,
+                   st.loss_confirmed)
+    return min(t, st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT])
+
+
+# drive's outcomes
+DONE, TIMER, PROBE, VIOLATION, NEED_ROWS = range(5)
+
+
+@njit(**JIT)
+def queue_cuts(fd, tx, st, nd, keys, loss):
+    """Queue the datagrams listed in st.cuts[:nd] to their aggregators (keys: ip << 16 | port)."""
+    base = st.out.ctypes.data
+    k = 0
+    while k < nd:
+        a = st.cuts[k, 0]
+        j = k
+        while j < nd and st.cuts[j, 0] == a:
+            j += 1
+        st.i[I_DATAGRAMS_SENT] += j - k
+        if loss > 0.0:
+            for m in range(k, j):
+                if np.random.random() >= loss:
+                    T.queue(fd, tx, base + st.cuts[m, 1], st.cuts[m, 2] - st.cuts[m, 1], keys[a], 0)
+        else:
+            T.queue_datagrams(fd, tx, base, st.cuts[k:j, 1], st.cuts[k:j, 2], j - k, keys[a])
+        k = j
+
+
+@njit(**JIT)
+def drive(fd, rx, tx, st, keys, loss, room, n, i, off):
+    """The worker's driver loop, from datagram (i, off) of the received batch rx[:n] on: apply what
+    arrives, send the next rounds of the columns that are ready (after each batch, so that a worker that
+    fell behind answers with fewer, fuller datagrams), wait on the socket until the machine's timer.
+    Returns (outcome, n, i, off) where Python must step in: DONE, TIMER (poll: retransmissions or the
+    timeout), PROBE (a datagram arrived from an aggregator with a probe out: i[I_EVENT_AGG]; the batch
+    goes on from (i, off)), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
+    `room`: grow the sink, then go on from (i, off))."""
+    A = keys.shape[0]
+    while True:
+        now = T.monotonic(rx.clock)
+        while i < n:
+            length, seg, source = rx.length[i], rx.seg[i], rx.source[i]
+            a = -1
+            for k in range(A):
+                if keys[k] == source:
+                    a = k
+            while off < length:
+                size = min(seg, length - off)
+                if st.i[I_COLLECT] and st.counts[1] + size // (4 * st.hdr[5]) > room:
+                    return NEED_ROWS, n, i, off
+                off += seg
+                st.i[I_DATAGRAMS_RECEIVED] += 1
+                st.i[I_BYTES_RECEIVED] += size
+                if loss > 0.0 and np.random.random() < loss:
+                    continue
+                if a < 0:
+                    st.drops[D_UNKNOWN_SOURCE] += 1
+                    continue
+                code = receive_one(st, rx.buf[i, off - seg: off - seg + size], size, a, now)
+                if code > 0:
+                    st.i[I_EVENT_AGG] = a
+                    st.i[I_VIOLATION] = code
+                    return VIOLATION, n, i, off
+                if code == PROBE_OUT:
+                    st.i[I_EVENT_AGG] = a
+                    return PROBE, n, i, off
+            i += 1
+            off = 0
+        nd = flush_ready(st, now)
+        if nd:
+            queue_cuts(fd, tx, st, nd, keys, loss)
+            T.send(fd, tx)
+        if st.i[I_REMAINING] == 0:
+            return DONE, 0, 0, 0
+        t = timer(st)
+        now = T.monotonic(rx.clock)
+        if now >= t:
+            return TIMER, 0, 0, 0
+        wait = 0 if n == rx.length.shape[0] else np.int64(min(1000.0, math.ceil((t - now) * 1000.0)))
+        n = T.receive(fd, rx, max(wait, 0))
+        i = 0
+        off = 0

@@ -307,6 +307,12 @@ def _send_unsegmented(fd, tx, k):
     return failed
 
 
+@njit(**JIT)
+def seed_loss(value):
+    """Seed the compiled code's random numbers (the simulated loss of workers and aggregators)."""
+    np.random.seed(value)
+
+
 # -- sockets ------------------------------------------------------------------------------------------
 
 def address_key(address: tuple[str, int]) -> int:

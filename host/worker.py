@@ -15,6 +15,9 @@ from . import tensors
 from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
 from .errors import ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
+from . import kernels as K
+from . import transport as T
+from .errors import ProtocolViolation
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
 from .warmup import warm_up
@@ -90,6 +93,8 @@ class Worker:
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
         self.timeout = timeout
         self.loss = LossHook(loss, seed)
+        if seed is not None:
+            T.seed_loss(seed)      # the compiled driver's simulated loss
         self.bind = parse_address(bind, 0)
         self.stats = WorkerStats()
         self.sock: socket.socket | None = None
@@ -115,6 +120,11 @@ class Worker:
         # Results arrive in bursts of up to one datagram per group of slots from every aggregator.
         self.sock, _ = open_socket(self.bind, rcvbuf=16 << 20)
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
+        self._keys = np.array([T.address_key(a) for a in self.aggregators], np.int64)
+        self._features = T.detect(self.sock)
+        self._rx = T.rx_batch()
+        # the simulated loss drops single datagrams: not with GSO, which sends runs of them at once
+        self._tx = T.tx_queue(self._features.gso and not self.loss.rate)
         # One buffer per datagram of a batch: a batch's datagrams are parsed in place, then merged.
         self._buf = bytearray(P.MAX_DATAGRAM + 1)
         self._view = memoryview(self._buf)
@@ -138,7 +148,6 @@ class Worker:
             self._send(a, data)
 
     def _send(self, aggregator: int, data: bytes) -> None:
-        self.stats.bytes_sent += len(data)
         self.stats.datagrams_sent += 1
         if self.loss.drop():
             return
@@ -316,27 +325,68 @@ class Worker:
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:
-        """Drive the machine: read everything queued (up to FLUSH_EVERY datagrams), then send what
-        became ready in one go (fewer, fuller datagrams when behind), then wait for the next datagram
-        or the machine's timer. Under CPU contention a result may sit in the buffer while its timer
-        expires: the queue is read before timers are judged."""
+        """Drive the machine until the allreduce is done: in compiled code (kernels.drive: batches of
+        received datagrams applied, ready rounds sent with sendmmsg/GSO, waits on the socket until the
+        machine's timer), entering Python only for probes, retransmissions, violations and growing a
+        sink; where batched I/O is not available, through the machine's Python interface."""
+        sent = m.st.i[K.I_DATAGRAMS_SENT], m.st.i[K.I_BYTES_RECEIVED], m.st.i[K.I_DATAGRAMS_RECEIVED]
         try:
-            self._send_all(m.start(time.monotonic()))
-            while not m.done:
-                for _ in range(FLUSH_EVERY):
-                    got = self._recv(0.0)
-                    if got is None:
-                        break
-                    m.receive(got[0], got[1], time.monotonic())
-                now = time.monotonic()
-                self._send_all(m.datagrams_to_send(now))
-                if m.done:
-                    break
-                got = self._recv(m.timer() - time.monotonic())
-                if got is not None:
-                    m.receive(got[0], got[1], time.monotonic())
+            if self._features.batched:
+                self._run_compiled(m)
+            else:
+                self._run_python(m)
         finally:
+            i = m.st.i
+            self.stats.datagrams_sent += int(i[K.I_DATAGRAMS_SENT] - sent[0])
+            self.stats.bytes_received += int(i[K.I_BYTES_RECEIVED] - sent[1])
+            self.stats.datagrams_received += int(i[K.I_DATAGRAMS_RECEIVED] - sent[2])
+            self.stats.bytes_sent += m.bytes_sent
             self.stats.retransmitted_entries += m.retransmitted
             self.stats.probes += m.probes
             for k, v in m.drops.items():
                 self.stats.drops[k] = self.stats.drops.get(k, 0) + v
+
+    def _run_compiled(self, m: AllreduceMachine) -> None:
+        fd, rx, tx = self.sock.fileno(), self._rx, self._tx
+        keys = self._keys
+        m.begin(time.monotonic())
+        n = i = off = 0
+        room = 0
+        while True:
+            if m.output.collect:
+                m.grow(T.RX_BATCH * self._rows_per_buffer(m))
+                room = m.output.capacity
+            outcome, n, i, off = K.drive(fd, rx, tx, m.st, keys, self.loss.rate, room, n, i, off)
+            if outcome == K.DONE:
+                return
+            now = time.monotonic()
+            if outcome == K.PROBE:
+                m.probe_answered(int(m.st.i[K.I_EVENT_AGG]), now)
+            elif outcome == K.VIOLATION:
+                raise ProtocolViolation(m.violation(int(m.st.i[K.I_VIOLATION]), int(m.st.i[K.I_EVENT_AGG])))
+            elif outcome == K.TIMER:
+                self._send_all(m.poll(now))   # retransmissions (rare: Python's sends will do)
+
+    @staticmethod
+    def _rows_per_buffer(m: AllreduceMachine) -> int:
+        return T.RX_CAPACITY // (4 * m.B) + 1
+
+    def _run_python(self, m: AllreduceMachine) -> None:
+        """The sans-IO interface over Python's socket module: read everything queued (up to FLUSH_EVERY
+        datagrams), then send what became ready in one go, then wait for the next datagram or the
+        machine's timer. Under CPU contention a result may sit in the buffer while its timer expires:
+        the queue is read before timers are judged."""
+        self._send_all(m.start(time.monotonic()))
+        while not m.done:
+            for _ in range(FLUSH_EVERY):
+                got = self._recv(0.0)
+                if got is None:
+                    break
+                m.receive(got[0], got[1], time.monotonic())
+            now = time.monotonic()
+            self._send_all(m.datagrams_to_send(now))
+            if m.done:
+                break
+            got = self._recv(m.timer() - time.monotonic())
+            if got is not None:
+                m.receive(got[0], got[1], time.monotonic())

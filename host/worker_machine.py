@@ -132,6 +132,13 @@ class JoinMachine:
 
 
 class AllreduceMachine:
+    """One allreduce. Its state is one record of arrays (kernels.WorkerState, `self.st`), which the
+    kernels update: per column the block of the current round and its agreed exponent, a pointer to the
+    worker's own next non-zero block in the column, the retransmission timer; per aggregator the probe
+    and when it was last heard. The Python methods below are the sans-IO driver interface; Worker's
+    compiled driver (kernels.drive) runs the same kernels over the same record, and returns here for
+    what is decided per event rather than per datagram (probes, retransmissions, violations)."""
+
     def __init__(self, config: WorkerConfig, epoch: int, source: BlockSource, layout: Layout,
                  output: DenseResult | CollectedBlocks, average: bool = False, rtt: tuple | None = None):
         """rtt: (srtt, rttvar) measured by an earlier allreduce to the same aggregators (RFC 6298 keeps
@@ -141,73 +148,89 @@ class AllreduceMachine:
         self.source = source
         self.layout = layout
         self.B = source.block_size
-        self.is_int = source.is_int
-        # Float sums are divided by the world size as they are stored (DDP's averaging, no extra pass).
-        self.divisor = np.float32(config.world if average else 1)
-        self.precision = precision_bits(config.world)
         # Where sums are stored. Blocks that no worker sends are not written: the caller provides
         # zeros there (a zero-filled array, or the input itself, which is zero where nobody sends).
         self.output = output
-        self.hdr = np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64)
 
-        S = layout.columns
+        S, A = layout.columns, layout.aggregators
         # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of seq.
         cols = layout.column_of_block(source.blocks)
         order = np.argsort(cols, kind="stable")
-        self.seq = np.append(source.blocks[order], P.END).astype(np.int64)
-        self.seq_exp = source.exps[order].astype(np.int64)
-        self.seq_row = source.rows[order]
         starts = np.searchsorted(cols[order], np.arange(S + 1))
-        self.mine_pos = starts[:-1].astype(np.int64)
-        self.col_stop = starts[1:].astype(np.int64)
-
-        A = layout.aggregators
-        self.round_block = np.full(S, P.BOOT, np.int64)
-        self.round_exp = np.full(S, P.NO_EXP, np.int64)
-        self.deadline = np.full(S, np.inf)
-        self.rto = np.full(S, config.rto)
-        self.sent_at = np.full(S, np.nan)          # first transmission of the round (NaN once retransmitted)
-        self.srtt = None
-        self.rttvar = 0.0
-        self.base_rto = config.rto
-        if rtt is not None and rtt[0] is not None:
-            self.srtt, self.rttvar = rtt
-            self.base_rto = self._rto_of(self.srtt, self.rttvar)
-            self.rto[:] = self.base_rto
-        # Probing (see poll): per aggregator, the column sent alone to test for loss, or -1
-        self.probe = np.full(A, -1, np.int64)
-        self.loss_confirmed = np.zeros(A, bool)
-        self._allow = np.zeros(A, np.int64)
-        self.probes = 0
-        self.waiting_for = np.zeros(S, np.int64)   # bitmap from the last STATUS per column (ranks heard)
-        self.status_seen = np.zeros(S, bool)
-        self.ready = np.zeros(S, bool)             # columns whose next round's entry is still to send
-        self.columns_of = [np.arange(a, S, A) for a in range(A)]
         # The window (R-L6): at most `window` columns past their bootstrap in flight, admitted in column
         # order; a column stays admitted until it ends. `admitted` columns (a prefix) may send.
         entry = P.ENTRY_SIZE + 4 * self.B
-        self.window_columns = S if config.window is None else int(min(S, max(1, config.window // entry)))
-        self.admitted = S if self.window_columns >= S else 0
-        self.slots_used = [layout.slots_used(a) for a in range(A)]
-        self._seen = np.zeros(max(1, layout.slots_per_aggregator), np.int64)
-        self._stamp = 0
-        self._cols = np.zeros(S, np.int64)
-        self._quiet = np.zeros(A, bool)
-        self.last_heard = np.zeros(A)
-        self.last_progress = None
-        self.remaining = S                         # columns not yet at END
-        # Datagrams are built here: at most one per column, each at most max_datagram bytes.
-        self._out = np.zeros(self._out_size(S), np.uint8)
-        self._cuts = np.zeros((S + A, 3), np.int64)
-        self._counts = output.count if output.collect else np.zeros(3, np.int64)
-        self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
-        self.bytes_sent = 0
-        self.retransmitted = 0
-        self.drops: dict[str, int] = {}
-
-    def _out_size(self, S: int) -> int:
+        window = S if config.window is None else int(min(S, max(1, config.window // entry)))
         per_data = 4 * self.B
-        return S * (P.ENTRY_SIZE + per_data) + (S + self.layout.aggregators) * P.PACKET_HEADER_SIZE
+        self.st = K.WorkerState(
+            hdr=np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64),
+            round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
+            mine_pos=starts[:-1].astype(np.int64), col_stop=starts[1:].astype(np.int64),
+            seq=np.append(source.blocks[order], P.END).astype(np.int64),
+            seq_exp=source.exps[order].astype(np.int64), seq_row=source.rows[order].astype(np.int64),
+            src=source.values, ready=np.zeros(S, bool), deadline=np.full(S, np.inf),
+            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), waiting_for=np.zeros(S, np.int64),
+            status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
+            last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
+            allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64),
+            seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
+            # datagrams are built here: at most one per column, each at most max_datagram bytes
+            out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
+            cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
+            counts=output.count if output.collect else np.zeros(3, np.int64),
+            f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
+                        config.world if average else 1], np.float64),
+            i=np.zeros(18, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+        i = self.st.i
+        i[K.I_ADMITTED] = S if window >= S else 0
+        i[K.I_WINDOW] = window
+        i[K.I_REMAINING] = S
+        i[K.I_IS_INT] = source.is_int
+        i[K.I_PRECISION] = precision_bits(config.world)
+        i[K.I_COLLECT] = output.collect
+        i[K.I_MAX_DATAGRAM] = config.max_datagram
+        i[K.I_MAX_ENTRIES] = config.max_entries
+        i[K.I_SOURCE_N] = source.n_values
+        if rtt is not None and rtt[0] is not None:
+            self.st.f[K.F_SRTT], self.st.f[K.F_RTTVAR] = rtt
+            i[K.I_HAS_SRTT] = 1
+            K.update_rto(self.st)
+            self.st.rto[:] = self.st.f[K.F_BASE_RTO]
+        self.window_columns = window
+        self.columns_of = [np.arange(a, S, A) for a in range(A)]
+        self._quiet = np.zeros(A, bool)
+        self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
+        self.probes = 0
+        self.retransmitted = 0
+
+    # -- the record's scalars, by name ----------------------------------------------------------------
+    round_block = property(lambda self: self.st.round_block)
+    deadline = property(lambda self: self.st.deadline)
+    ready = property(lambda self: self.st.ready)
+    last_heard = property(lambda self: self.st.last_heard)
+    probe = property(lambda self: self.st.probe)
+    admitted = property(lambda self: int(self.st.i[K.I_ADMITTED]))
+    base_rto = property(lambda self: float(self.st.f[K.F_BASE_RTO]))
+    bytes_sent = property(lambda self: int(self.st.i[K.I_BYTES_SENT]))
+    remaining = property(lambda self: int(self.st.i[K.I_REMAINING]))
+
+    @property
+    def srtt(self):
+        return float(self.st.f[K.F_SRTT]) if self.st.i[K.I_HAS_SRTT] else None
+
+    @property
+    def rttvar(self) -> float:
+        return float(self.st.f[K.F_RTTVAR])
+
+    @property
+    def last_progress(self):
+        t = float(self.st.f[K.F_LAST_PROGRESS])
+        return None if np.isnan(t) else t
+
+    @property
+    def drops(self) -> dict[str, int]:
+        """What this worker dropped, by reason (counts above zero)."""
+        return {name: int(n) for name, n in zip(K.WORKER_DROPS, self.st.drops.tolist()) if n}
 
     # -- queries ------------------------------------------------------------------------------------
     @property
@@ -221,22 +244,21 @@ class AllreduceMachine:
         Retransmitting while results still stream in would only add load to a busy aggregator: a lost
         datagram's columns are retried once the aggregator falls silent.
         """
-        if self.done or self.last_progress is None:
+        if self.last_progress is None:
             return np.inf
-        t = K.next_timer(self.round_block, self.deadline, self.layout.aggregators, self.last_heard,
-                         self.base_rto, self.probe, self.loss_confirmed)
-        return min(t, self.last_progress + self.cfg.timeout)
-
-    def _drop(self, reason: str, n: int = 1) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + n
+        return float(K.timer(self.st))
 
     # -- events -------------------------------------------------------------------------------------
+    def begin(self, now: float) -> None:
+        """Begin the allreduce: every column's bootstrap round is ready to send."""
+        self.st.f[K.F_LAST_PROGRESS] = now
+        self.st.last_heard[:] = now
+        self.st.ready[:] = True
+        self.st.i[K.I_REMAINING] = self.layout.columns
+
     def start(self, now: float) -> list[tuple[int, memoryview]]:
-        """Begin the allreduce: the bootstrap round of every column."""
-        self.last_progress = now
-        self.last_heard[:] = now
-        self.ready[:] = True
-        self.remaining = self.layout.columns
+        """Begin the allreduce and return the bootstrap round of every column."""
+        self.begin(now)
         return self.datagrams_to_send(now)
 
     def datagrams_to_send(self, now: float) -> list[tuple[int, memoryview]]:
@@ -249,11 +271,7 @@ class AllreduceMachine:
 
     def flush(self, now: float) -> list[tuple[int, memoryview]]:
         """Send the next round's entries of every column that got its result since the last flush."""
-        if self.admitted < self.layout.columns:
-            self.admitted = K.admit(self.round_block, self.admitted, self.window_columns)
-        n = K.take_ready(self.ready, self._cols, self.layout.aggregators, self.deadline, self.sent_at,
-                         self.rto, now, self.round_block, self.admitted)
-        return self._send(n) if n else []
+        return self._datagrams(K.flush_ready(self.st, now))
 
     def poll(self, now: float) -> list[tuple[int, memoryview]]:
         """Retransmit what the timers say is lost; raise ZeroSumTimeout when progress stopped.
@@ -267,119 +285,86 @@ class AllreduceMachine:
         """
         if self.done:
             return []
+        st = self.st
         if self.last_progress + self.cfg.timeout <= now:   # R-L5; the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
-        np.less_equal(self.last_heard + self.base_rto, now, out=self._quiet)
+        np.less_equal(st.last_heard + self.base_rto, now, out=self._quiet)
         S = self.layout.columns
         for a in range(self.layout.aggregators):
-            p = self.probe[a]
-            if self.loss_confirmed[a] or (p >= 0 and self.deadline[p] <= now):
-                self._allow[a] = S           # loss: everything that expired
+            p = st.probe[a]
+            if st.loss_confirmed[a] or (p >= 0 and st.deadline[p] <= now):
+                st.allow[a] = S           # loss: everything that expired
             elif p < 0 and self._quiet[a]:
-                self._allow[a] = 1           # probe
+                st.allow[a] = 1           # probe
             else:
-                self._allow[a] = 0
-        n = K.take_expired(self.round_block, self._cols, self.layout.aggregators, self.deadline,
-                           self.sent_at, self.rto, self._allow, self.cfg.max_rto, now)
+                st.allow[a] = 0
+        n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.rto,
+                           st.allow, self.cfg.max_rto, now)
         if n == 0:
-            self.loss_confirmed[:] = False     # nothing expired: no loss left to repair
+            st.loss_confirmed[:] = False     # nothing expired: no loss left to repair
             return []
         for a in range(self.layout.aggregators):
-            if self._allow[a] == 1:
-                taken = self._cols[:n][self._cols[:n] % self.layout.aggregators == a]
+            if st.allow[a] == 1:
+                taken = st.cols[:n][st.cols[:n] % self.layout.aggregators == a]
                 if len(taken):
-                    self.probe[a] = taken[0]
-                    self.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
+                    st.probe[a] = taken[0]
+                    st.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
                     self.probes += 1
-            elif self._allow[a] == S:
-                self.retransmitted += int(np.count_nonzero(self._cols[:n] % self.layout.aggregators == a))
-                self.probe[a] = -1
-                self.loss_confirmed[a] = False
-        return self._send(n)
+            elif st.allow[a] == S:
+                self.retransmitted += int(np.count_nonzero(st.cols[:n] % self.layout.aggregators == a))
+                st.probe[a] = -1
+                st.loss_confirmed[a] = False
+        return self._datagrams(K.encode_columns(st, n))
 
-    def _probe_answered(self, a: int, now: float) -> None:
-        """After a datagram from aggregator a: did it answer the outstanding probe?"""
-        p = self.probe[a]
-        if self.waiting_for[p] >= 0:
+    def probe_answered(self, a: int, now: float) -> None:
+        """After a datagram from aggregator a while a probe is out: did it answer the probe?"""
+        st = self.st
+        p = st.probe[a]
+        if st.waiting_for[p] >= 0:
             # The aggregator holds our entry and waits for others: back off every pending column.
-            self.probe[a] = -1
+            st.probe[a] = -1
             cols = self.columns_of[a]
             # (not the columns the window holds back: they have nothing in flight)
-            pending = cols[(self.round_block[cols] != P.END) & ~(self.ready[cols] & (cols >= self.admitted))]
-            self.rto[pending] = np.minimum(self.rto[pending] * 2, self.cfg.max_rto)
-            self.deadline[pending] = np.maximum(self.deadline[pending], now + self.rto[pending])
-        elif self.round_block[p] == P.END or not np.isfinite(self.deadline[p]) or self.ready[p]:
+            pending = cols[(st.round_block[cols] != P.END) & ~(st.ready[cols] & (cols >= self.admitted))]
+            st.rto[pending] = np.minimum(st.rto[pending] * 2, self.cfg.max_rto)
+            st.deadline[pending] = np.maximum(st.deadline[pending], now + st.rto[pending])
+        elif st.round_block[p] == P.END or not np.isfinite(st.deadline[p]) or st.ready[p]:
             # The probe's round completed. A loss if other columns of this aggregator are still
             # expired without a result; none when the probe merely crossed the RESULT of its round.
-            self.probe[a] = -1
+            st.probe[a] = -1
             cols = self.columns_of[a]
-            expired = (self.round_block[cols] != P.END) & ~self.ready[cols] & (self.deadline[cols] <= now)
-            self.loss_confirmed[a] = bool(expired.any())
+            expired = (st.round_block[cols] != P.END) & ~st.ready[cols] & (st.deadline[cols] <= now)
+            st.loss_confirmed[a] = bool(expired.any())
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
-        h = P.parse_header(datagram)
-        if h is None:
-            self._drop("short" if len(datagram) < P.PACKET_HEADER_SIZE else "version")
-            return
-        ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = h
-        if ptype not in P.TYPE_NAMES:
-            self._drop("type")
-            return
-        if job != self.cfg.job or rank != P.AGGREGATOR_RANK:
-            self._drop("foreign")
-            return
-        if ptype == P.JOIN_ACK:
-            return     # a late answer to a join: harmless
-        if ptype not in (P.RESULT, P.STATUS):
-            self._drop("type")
-            return
-        if epoch != self.epoch:
-            self._drop("stale_epoch")
-            return
-        if tensor_blocks != self.layout.nblocks or block_size != self.B:
-            self._drop("geometry")
-            return
-        if nent == 0:
-            return
         if self.output.collect:
-            self.output.reserve(self._max_rows)
-        values = self.output.flat
-        self._stamp += 1
-        code, rtt, block = K.apply_datagram(
-            np.frombuffer(datagram, np.uint8), len(datagram), ptype, nent, aggregator,
-            self.layout.aggregators, self.slots_used[aggregator], self.hdr, self.is_int, self.precision,
-            self.divisor, self.round_block, self.round_exp, self.mine_pos, self.col_stop, self.seq,
-            self.ready, self.deadline, self.rto, self.sent_at, self.waiting_for, self.status_seen,
-            self.base_rto, self.cfg.max_rto, now, values, values.size, self.output.collect, self._blocks_out(), self._counts, self._seen, self._stamp)
-        if code < 0:
-            self._drop(K.DROP_REASONS[-code].removeprefix("drop_"))
-            return
+            self.grow(self._max_rows)
+        code = K.receive_one(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now)
         if code > 0:
-            raise ProtocolViolation(self._violation(code, aggregator, block))     # R-L4
-        self.last_heard[aggregator] = now
-        if self.probe[aggregator] >= 0:
-            self._probe_answered(aggregator, now)
-        if ptype == P.RESULT:
-            self.last_progress = now
-            self.remaining = self.layout.columns - int(self._counts[2])
-            if rtt >= 0:
-                self._measure(rtt)
-        if self._counts[0]:
-            self._drop("duplicate_result", int(self._counts[0]))     # R-L4
-            self._counts[0] = 0
+            raise ProtocolViolation(self.violation(code, aggregator))     # R-L4
+        if code == K.PROBE_OUT:
+            self.probe_answered(aggregator, now)
 
     def receive_many(self, datagrams, now: float) -> None:
         """Take several datagrams, as (aggregator index, bytes), in arrival order."""
         for a, datagram in datagrams:
             self.receive(a, datagram, now)
 
+    def grow(self, rows: int) -> None:
+        """Room for `rows` more collected rows (CollectedBlocks grows by copying: the record follows)."""
+        before = self.output.flat
+        self.output.reserve(rows)
+        if self.output.flat is not before:
+            self.st = self.st._replace(values=self.output.flat, blocks_out=self.output.blocks)
+
     def _blocks_out(self):
         return self.output.blocks if self.output.collect else self._no_blocks
 
     _no_blocks = np.zeros(0, np.int64)
 
-    def _violation(self, code: int, aggregator: int, block: int) -> str:
+    def violation(self, code: int, aggregator: int) -> str:
+        block = int(self.st.i[K.I_BAD_BLOCK])
         if code == K.VIOLATION_NO_DATA:
             return (f"aggregator {self._agg_name_of(aggregator)} returned no data for a block this worker "
                     f"contributed (block {block})")
@@ -390,30 +375,13 @@ class AllreduceMachine:
                     "(float32 and int32 contributions to the same blocks)")
         return "aggregator skipped a block this worker still has to send"
 
-    def _measure(self, r: float) -> None:
-        """Adapt the retransmission timeout to the round-trip times seen (RFC 6298, section 2)."""
-        if self.srtt is None:
-            self.srtt, self.rttvar = r, r / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
-            self.srtt = 0.875 * self.srtt + 0.125 * r
-        self.base_rto = self._rto_of(self.srtt, self.rttvar)
-
-    def _rto_of(self, srtt: float, rttvar: float) -> float:
-        return min(max(srtt + 4 * rttvar, self.cfg.min_rto), self.cfg.max_rto)
-
     # -- building datagrams -------------------------------------------------------------------------
-    def _send(self, ncols: int) -> list[tuple[int, memoryview]]:
-        """Build this round's entries for the first `ncols` of self._cols, fused into datagrams."""
-        src = self.source
-        nd = K.encode_data(self._out, self._cuts, self._cols, ncols, self.layout.aggregators, self.hdr,
-                           self.round_block, self.round_exp, self.mine_pos, self.col_stop, self.seq,
-                           self.seq_exp, self.seq_row, src.values, src.n_values, self.is_int,
-                           self.precision, self.cfg.max_datagram, self.cfg.max_entries)
-        view = memoryview(self._out)
-        cuts = self._cuts[:nd].tolist()
-        self.bytes_sent += cuts[-1][2] if cuts else 0
-        return [(a, view[s:e]) for a, s, e in cuts]
+    def _datagrams(self, nd: int) -> list[tuple[int, memoryview]]:
+        """The datagrams the kernels built, listed in st.cuts[:nd], as (aggregator, view)."""
+        if not nd:
+            return []
+        view = memoryview(self.st.out)
+        return [(a, view[s:e]) for a, s, e in self.st.cuts[:nd].tolist()]
 
     # -- errors -------------------------------------------------------------------------------------
     def _agg_name_of(self, a: int) -> str:
@@ -425,13 +393,13 @@ class AllreduceMachine:
 
     def _timeout_message(self, now: float) -> str:
         pending = np.flatnonzero(self.round_block != P.END)
-        heard = self.status_seen[pending]
+        heard = self.st.status_seen[pending]
         head = (f"allreduce {self.epoch} of rank {self.cfg.rank} made no progress for "
                 f"{now - self.last_progress:.1f} s ({len(pending)} of {self.layout.columns} columns unfinished)")
         if heard.any():
             everyone = (1 << self.cfg.world) - 1
             missing = 0
-            for bitmap in self.waiting_for[pending[heard]]:
+            for bitmap in self.st.waiting_for[pending[heard]]:
                 if bitmap >= 0:       # -1: a probe's answer is still outstanding
                     missing |= everyone & ~int(bitmap)
             missing &= ~(1 << self.cfg.rank)
