@@ -81,6 +81,8 @@ class AggregatorServer:
         # the simulated loss drops single datagrams: not with GSO, which sends runs of them at once
         self._tx = T.tx_queue(self.features.gso and not loss)
         self._tables_key, self._tables = None, None
+        self.max_datagram = max_datagram
+        self._path_limit: dict = {}
         self._sent = 0
 
     def serve(self, stop=None, stats_interval: float = 0.0, idle_exit: float = 0.0) -> None:
@@ -142,9 +144,11 @@ class AggregatorServer:
         """(job ids, SlotTables) of the jobs served, for the compiled loop; rebuilt when a job starts,
         ends or restarts (a JOIN allocates a new table). None while no job is served."""
         jobs = self.service.jobs
-        key = tuple((job, id(j.machine.table)) for job, j in jobs.items())
+        key = tuple((job, id(j.machine.table), len(j.machine.state.members)) for job, j in jobs.items())
         if key != self._tables_key:
             self._tables_key = key
+            for j in jobs.values():
+                self._fit_path(j.machine)
             if not jobs:
                 self._tables = None
             else:
@@ -153,6 +157,16 @@ class AggregatorServer:
                     tables.append(j.machine.table)
                 self._tables = (np.array(list(jobs), np.int64), tables)
         return self._tables
+
+    def _fit_path(self, machine) -> None:
+        """Results to a job's members no larger than the path MTU to each of them allows (less 28 bytes
+        of headers), within --max-datagram: never IP fragments (docs/protocol.md, "Fusion")."""
+        limit = self.max_datagram
+        for m in machine.state.members.values():
+            if m.address not in self._path_limit:
+                self._path_limit[m.address] = T.datagram_limit([m.address], P.MAX_DATAGRAM)
+            limit = min(limit, self._path_limit[m.address])
+        machine.table.geometry[3] = limit
 
     @property
     def datagrams_sent(self) -> int:

@@ -85,7 +85,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
         sync.wait(CHECKPOINT_TIMEOUT)
 
     with zerosum.Worker(rank, world, addresses, block_size=plan["block_size"], loss=plan["loss"],
-                        seed=rank) as w:
+                        seed=rank, max_datagram=plan.get("max_datagram")) as w:
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
             y = np.empty_like(x)
@@ -136,8 +136,8 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
 # -- in the bench process ----------------------------------------------------------------------------
 
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
-    aggs = [LocalAggregator(world, slots=plan["slots"], listen=f"127.0.0.1:{port + i if port else 0}")
-            for i in range(aggregators)]
+    aggs = [LocalAggregator(world, slots=plan["slots"], listen=f"127.0.0.1:{port + i if port else 0}",
+                            max_datagram=plan.get("max_datagram")) for i in range(aggregators)]
     events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
     gloo_port = _free_port()
     procs = [CTX.Process(target=_worker, daemon=True,
@@ -317,7 +317,8 @@ def run_from_args(args) -> int:
     console = Console()
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
-            "verify": args.verify, "loss": args.loss, "slots": args.slots}
+            "verify": args.verify, "loss": args.loss, "slots": args.slots,
+            "max_datagram": args.max_datagram}
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
@@ -333,7 +334,25 @@ def run_from_args(args) -> int:
             progress.update(task, description=f"{world} workers")
             results["runs"].append(run_world(world, plan, args.aggregators, args.port,
                                              on_step=lambda: progress.advance(task)))
+    if args.floor:
+        from .floor import run_floor
+        for run in results["runs"]:
+            world = run["rows"][0]["workers"]
+            floor = run_floor(world, plan["size"], plan["densities"], iters=plan["rounds"])
+            for r in run["rows"]:
+                r["floor_s"], r["floor_gloo_s"] = floor[r["density"]]
     console.print(bench_table(results))
+    from .transport import detect
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        console.print(f"datagram I/O: {detect(s).describe()}; largest datagram "
+                      f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}")
+    for run in results["runs"]:
+        for r in run["rows"]:
+            if r.get("floor_s"):
+                console.print(f"{r['workers']} workers, density {r['density']:g}: ZeroSum "
+                              f"{r['zerosum_s'] / r['floor_s']:.2f}x the floor's time ({r['floor_s']:.3f} s; "
+                              f"gloo beside the floor {r['floor_gloo_s']:.3f} s)")
     rss = max(c["max_rss_bytes"] for run in results["runs"] for c in run["aggregators"])
     console.print(f"aggregator peak memory: {rss / 2**20:.0f} MiB"
                   + (" (sums verified against the fixed-point reference)" if args.verify else ""))

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check every rank's first result against the fixed-point reference")
         b.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at the workers")
         b.add_argument("--port", type=int, default=0, help="first aggregator port (0: pick free ports)")
+        b.add_argument("--max-datagram", type=_positive_int, default=None, metavar="BYTES",
+                       help="largest datagram of workers and aggregators (default: the path MTU - 28), "
+                            "e.g. 1472 or 8972 for the datagram counts of MTU 1,500 or 9,000 links")
+        b.add_argument("--floor", action="store_true",
+                       help="also run the sockets-only star (the floor: moving the same datagrams, no "
+                            "arithmetic, no loss recovery) and show ZeroSum's time against it")
         b.add_argument("--output", default="results", help="directory for bench.json and bench.png")
 
     b = sub.add_parser("bench", help="OmniReduce microbenchmark: ZeroSum vs torch gloo allreduce")

@@ -623,7 +623,12 @@ def drive(fd, rx, tx, st, keys, loss, room, n, i, off):
     goes on from (i, off)), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
     `room`: grow the sink, then go on from (i, off))."""
     A = keys.shape[0]
+    wait = 0
     while True:
+        if i >= n:                     # read what is queued (or wait for it) before judging timers
+            n = T.receive(fd, rx, wait)
+            i = 0
+            off = 0
         now = T.monotonic(rx.clock)
         while i < n:
             length, seg, source = rx.length[i], rx.seg[i], rx.source[i]
@@ -663,7 +668,4 @@ def drive(fd, rx, tx, st, keys, loss, room, n, i, off):
         now = T.monotonic(rx.clock)
         if now >= t:
             return TIMER, 0, 0, 0
-        wait = 0 if n == rx.length.shape[0] else np.int64(min(1000.0, math.ceil((t - now) * 1000.0)))
-        n = T.receive(fd, rx, max(wait, 0))
-        i = 0
-        off = 0
+        wait = 0 if n == rx.length.shape[0] else max(1, np.int64(min(1000.0, math.ceil((t - now) * 1000.0))))

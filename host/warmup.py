@@ -55,4 +55,53 @@ def warm_up() -> None:
                         m.receive(0, buffer(reply), 0.0)
                 pending = m.datagrams_to_send(0.0)
             m.poll(0.0)
+    _warm_up_transport(B)
     _done = True
+
+
+def _warm_up_transport(B: int) -> None:
+    """The compiled driver loops (kernels.drive, aggregator_kernels.serve) over two loopback sockets, one
+    tiny allreduce per dtype and result kind."""
+    import socket
+    import time
+
+    from numba import typed
+
+    from . import aggregator_kernels as AK
+    from . import kernels as K
+    from . import transport as T
+    if not T.detect(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)).batched:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as w:
+        a.bind(("127.0.0.1", 0))
+        w.bind(("127.0.0.1", 0))
+        keys = np.array([T.address_key(a.getsockname())], np.int64)
+        rx_a, rx_w, tx_a, tx_w = T.rx_batch(), T.rx_batch(), T.tx_queue(False), T.tx_queue(False)
+        for dtype, collect in itertools.product((np.float32, np.int32), (False, True)):
+            agg = AggregatorMachine(1, 1, slots=2)
+            cfg = WorkerConfig(rank=0, world=1, job=1, block_size=B, rto=0.002, min_rto=0.001, timeout=5.0)
+            join = JoinMachine(cfg, 1, 1, 0.0)
+            for _, d in join.datagrams_to_send(0.0):
+                for _, ack in agg.receive(d, w.getsockname()):
+                    join.receive(0, ack, 0.0)
+            tables = typed.List([agg.table])
+            job_ids = np.array([1], np.int64)
+            if collect:
+                source = BlockSource.compact(np.array([0, 1]), np.arange(1, 9, dtype=dtype).reshape(2, B), 2)
+                sink = CollectedBlocks(dtype, B)
+            else:
+                source = BlockSource.dense(np.arange(1, 7, dtype=dtype), B)
+                sink = DenseResult(np.zeros(6, dtype))
+            m = AllreduceMachine(cfg, 1, source, Layout(1, join.slots, source.nblocks), sink)
+            m.begin(time.monotonic())
+            n = i = off = 0
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end:
+                if collect:
+                    m.grow(64)
+                outcome, n, i, off = K.drive(w.fileno(), rx_w, tx_w, m.st, keys, 0.0, sink.count[1] + 64
+                                             if collect else 0, n, i, off)
+                if outcome == K.DONE:
+                    break
+                got = T.receive(a.fileno(), rx_a, 50)
+                AK.serve(a.fileno(), rx_a, got, 0, 0, job_ids, tables, tx_a, 0.0)

@@ -49,6 +49,9 @@ class Worker:
         only holders of the key can join as a rank or restart the job (DATA is not authenticated).
     gather_on_device: for torch tensors, detect and gather non-zero blocks with torch on the tensor's
         device and copy only those to the host (default: for non-CPU tensors; True forces it on CPU).
+    max_datagram: the largest datagram sent (UDP payload bytes); by default the path MTU to the
+        aggregators less 28 bytes of headers (1,472 for MTU 1,500, 65,507 on loopback), so that no
+        datagram is IP-fragmented. With UDP GSO a run of them costs one system call.
     window: bytes in flight at most (docs/protocol.md, R-L6): the entries of at most window / (16 +
         4 * block_size) columns are out at once, and so are their results, which is what the link to
         this worker must queue. None (the default): every column at once, as fast as the socket takes
@@ -57,7 +60,7 @@ class Worker:
     """
 
     def __init__(self, rank: int, world_size: int, aggregators=("127.0.0.1:48879",), job: int = 1,
-                 block_size: int = 256, *, timeout: float = 30.0, max_datagram: int = P.MAX_DATAGRAM,
+                 block_size: int = 256, *, timeout: float = 30.0, max_datagram: int | None = None,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
                  window: int | None = None):
@@ -85,6 +88,9 @@ class Worker:
             key = key.encode()
         if key is not None and not key:
             raise ValueError("key must not be empty (pass None for no key)")
+        if max_datagram is None:
+            # the path's MTU less the IPv4 and UDP headers: never IP fragments (docs/protocol.md, "Fusion")
+            max_datagram = T.datagram_limit(self.aggregators, P.MAX_DATAGRAM)
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
