@@ -83,6 +83,7 @@ class AggregatorServer:
         self._tables_key, self._tables = None, None
         self.max_datagram = max_datagram
         self._path_limit: dict = {}
+        self._backlog = 0
         self._sent = 0
 
     def serve(self, stop=None, stats_interval: float = 0.0, idle_exit: float = 0.0) -> None:
@@ -96,21 +97,40 @@ class AggregatorServer:
         fd = self.sock.fileno()
         next_stats = time.monotonic() + stats_interval if stats_interval else float("inf")
         last_data = None
+        buf = bytearray(P.MAX_DATAGRAM + 1)
         while stop is None or not stop():
             if idle_exit and last_data is not None and time.monotonic() - last_data > idle_exit:
                 log.info("no datagrams for %.1f s: exiting", idle_exit)
                 return
-            n = T.receive(fd, self._rx, 200)
+            n = T.receive(fd, self._rx, 200) if self.features.batched else self._receive_plain(buf)
             now = time.monotonic()
             if n:
                 last_data = now
-                self._serve_batch(n, now)
+                if self.features.batched:
+                    self._serve_batch(n, now)
             if now >= self.service.timer():
                 for job in self.service.expire(now):
                     log.info("job %d ended: idle for %.1f s", job, self.service.job_idle)
             if now >= next_stats:
                 log.info("counters: %s", self.counters_line())
                 next_stats = now + stats_interval
+
+    def _receive_plain(self, buf: bytearray) -> int:
+        """Without batched I/O: one datagram through the machines (Python's socket module), then the
+        completed rounds once nothing more is queued."""
+        self.sock.settimeout(0.0 if self.service.completed else 0.2)
+        try:
+            n, addr = self.sock.recvfrom_into(buf)
+        except (socket.timeout, BlockingIOError, ConnectionRefusedError):
+            self._send(self.service.flush())
+            return 0
+        if not self.loss.drop():
+            self._send(self.service.receive(memoryview(buf)[:n], addr, time.monotonic()))
+        self._backlog += 1
+        if self._backlog >= 16:     # a busy socket is never empty: flush at least every 16 datagrams
+            self._backlog = 0
+            self._send(self.service.flush())
+        return 1
 
     def _serve_batch(self, n: int, now: float) -> None:
         rx, fd = self._rx, self.sock.fileno()

@@ -21,6 +21,7 @@ call boundary at once, never what a receiver without them sees. The structures a
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
@@ -336,9 +337,25 @@ class Features(NamedTuple):
                 + (", UDP GRO" if self.gro else ", no UDP GRO"))
 
 
+IO_MODES = ("gso", "batched", "plain")
+
+
+def io_mode() -> str:
+    """ZEROSUM_IO: "gso" (the default: batched system calls with UDP GSO/GRO where the kernel has them),
+    "batched" (recvmmsg/sendmmsg without GSO/GRO) or "plain" (one datagram per system call, through
+    Python's socket module), to compare them or to work around a kernel or device that misbehaves."""
+    mode = os.environ.get("ZEROSUM_IO", "gso").strip().lower() or "gso"
+    if mode not in IO_MODES:
+        raise ValueError(f"ZEROSUM_IO must be one of {', '.join(IO_MODES)}, got {mode!r}")
+    return mode
+
+
 def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
-    """What this kernel offers on `sock`, turning GRO on where it exists (`gso`/`gro` False: do not use)."""
-    batched = sys.platform.startswith("linux") and struct.calcsize("P") == 8
+    """What this kernel offers on `sock` (within ZEROSUM_IO), turning GRO on where it exists (`gso`/`gro`
+    False: do not use)."""
+    mode = io_mode()
+    gso, gro = gso and mode == "gso", gro and mode == "gso"
+    batched = sys.platform.startswith("linux") and struct.calcsize("P") == 8 and mode != "plain"
     have_gso = have_gro = False
     if batched and gso:
         try:

@@ -1,0 +1,137 @@
+"""zerosum.transport: batched system calls, UDP GSO and GRO, their fallbacks, and the path's datagram size;
+then whole allreduces through each I/O mode (ZEROSUM_IO) with MTU-sized datagrams, exact to the bit."""
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from procs import Aggregator, run_workers
+from test_end_to_end import check
+from zerosum import transport as T
+
+
+def sockets(n, gro=True):
+    out = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        out.append(s)
+    return out
+
+
+def receive_all(sock, rx, expect):
+    """Every datagram queued on sock, GRO buffers cut at their segment size."""
+    got = []
+    while len(got) < expect:
+        n = T.receive(sock.fileno(), rx, 1000)
+        if not n:
+            break
+        for i in range(n):
+            length, seg = int(rx.length[i]), int(rx.seg[i])
+            got += [bytes(rx.buf[i, off:min(off + seg, length)]) for off in range(0, length, seg)]
+            assert T.address_of(int(rx.source[i]))[0] == "127.0.0.1"
+    return got
+
+
+def datagrams(sizes, seed=0):
+    """Datagrams of these sizes back to back in one buffer: (buffer, starts, ends, the bytes of each)."""
+    rng = np.random.default_rng(seed)
+    ends = np.cumsum(sizes).astype(np.int64)
+    starts = ends - np.asarray(sizes, np.int64)
+    buf = rng.integers(0, 256, int(ends[-1]), dtype=np.uint8)
+    return buf, starts, ends, [bytes(buf[a:b]) for a, b in zip(starts, ends)]
+
+
+@pytest.mark.parametrize("receiver_gro", [True, False])
+def test_runs_of_datagrams_arrive_whole_and_in_order_with_and_without_gro(receiver_gro):
+    tx_sock, rx_sock = sockets(2)
+    try:
+        features = T.detect(tx_sock)
+        if not features.batched:
+            pytest.skip("no recvmmsg/sendmmsg here (not Linux LP64)")
+        T.detect(rx_sock, gro=receiver_gro)
+        # runs of equal sizes (GSO messages), a shorter one ending a run, odd sizes alone; > TX_BATCH
+        sizes = [1472] * 70 + [900] + [1472] * 5 + [8972] * 7 + [20, 37, 65507] + [1060] * 300 + [16]
+        buf, starts, ends, want = datagrams(sizes)
+        tx, rx = T.tx_queue(features.gso), T.rx_batch()
+        dest = T.address_key(rx_sock.getsockname())
+        T.queue_datagrams(tx_sock.fileno(), tx, buf.ctypes.data, starts, ends, len(sizes), dest)
+        assert T.send(tx_sock.fileno(), tx) == 0
+        assert tx.state[T.DATAGRAMS] == len(sizes) and tx.state[T.SEND_ERRORS] == 0
+        if features.gso:     # fewer messages than datagrams: runs went out as one GSO message each
+            assert tx.state[T.MESSAGES] < len(sizes) / 10
+        assert receive_all(rx_sock, rx, len(sizes)) == want
+    finally:
+        tx_sock.close()
+        rx_sock.close()
+
+
+def test_a_gso_message_the_kernel_refuses_is_sent_datagram_by_datagram():
+    tx_sock, rx_sock = sockets(2)
+    try:
+        features = T.detect(tx_sock)
+        if not features.gso:
+            pytest.skip("no UDP GSO on this kernel")
+        # more segments than the kernel takes in one message (UDP_MAX_SEGMENTS): EINVAL
+        buf, starts, ends, want = datagrams([100] * 200)
+        tx, rx = T.tx_queue(True), T.rx_batch()
+        T.queue(tx_sock.fileno(), tx, buf.ctypes.data, int(ends[-1]), T.address_key(rx_sock.getsockname()), 100)
+        assert T.send(tx_sock.fileno(), tx) == 0
+        assert tx.state[T.GSO_ON] == 0 and tx.state[T.GSO_FALLBACKS] == 1
+        assert tx.state[T.DATAGRAMS] == 200
+        assert receive_all(rx_sock, rx, 200) == want
+    finally:
+        tx_sock.close()
+        rx_sock.close()
+
+
+def test_receive_times_out_empty_and_reports_the_sender():
+    a, b = sockets(2)
+    try:
+        if not T.detect(a).batched:
+            pytest.skip("no recvmmsg here")
+        rx = T.rx_batch()
+        assert T.receive(a.fileno(), rx, 0) == 0
+        assert T.receive(a.fileno(), rx, 20) == 0
+        b.sendto(b"x" * 5, a.getsockname())
+        assert T.receive(a.fileno(), rx, 1000) == 1
+        assert rx.length[0] == 5 and T.address_of(int(rx.source[0])) == b.getsockname()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_default_datagram_follows_the_path_mtu():
+    # loopback's MTU is 65,536: the UDP limit of 65,507 applies; a cap below it wins
+    assert T.datagram_limit([("127.0.0.1", 9)], 65507) == 65507
+    assert T.datagram_limit([("127.0.0.1", 9)], 1472) == 1472
+    assert T.address_of(T.address_key(("10.1.2.3", 4567))) == ("10.1.2.3", 4567)
+
+
+def test_io_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("ZEROSUM_IO", "fast")
+    with pytest.raises(ValueError, match="ZEROSUM_IO must be one of gso, batched, plain"):
+        T.io_mode()
+    monkeypatch.setenv("ZEROSUM_IO", "plain")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        assert T.detect(s) == T.Features(False, False, False)
+
+
+@pytest.mark.parametrize("mode", ["gso", "batched", "plain"])
+def test_mtu_sized_datagrams_sum_exactly_in_every_io_mode(mode, monkeypatch):
+    """4 workers and an aggregator with 1,472-byte datagrams (one block of 256 values each), dense and
+    sparse, in each I/O mode: bit-identical to the reference, nothing retransmitted."""
+    monkeypatch.setenv("ZEROSUM_IO", mode)     # inherited by the aggregator and worker processes
+    agg = Aggregator(4, max_datagram=1472)
+    try:
+        seeds = [3, 4]
+        res = run_workers(4, [agg.address], seeds, 300_001, 1.0, max_datagram=1472)
+        check(res, 4, seeds, 300_001, 1.0)
+        res = run_workers(4, [agg.address], [5], 300_001, 0.05, max_datagram=1472)
+        check(res, 4, [5], 300_001, 0.05)
+        assert sum(res[r][2].retransmitted_entries for r in range(4)) == 0
+    finally:
+        counters = agg.stop()
+    assert counters.get("send_errors", 0) == 0
