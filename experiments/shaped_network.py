@@ -35,105 +35,18 @@ from pathlib import Path
 from zerosum.argtypes import positive_int
 from zerosum.spec import DEFAULT_PORT as AGGREGATOR_PORT
 
-SUBNET = "10.77.0"
+from zerosum.netns import (SUBNET, _bits, aggregator_ip, rate_type, sh, shaper_drops, socket_drops,  # noqa: F401
+                           worker_ip)
+from zerosum.netns import star
+
 MASTER_PORT = 29500
-_NETWORKS = itertools.count()
-
-
-def sh(*cmd, check=True):
-    return subprocess.run([str(c) for c in cmd], check=check, capture_output=True, text=True)
-
-
-def worker_ip(rank: int) -> str:
-    return f"{SUBNET}.{rank + 1}"
-
-
-def aggregator_ip(index: int) -> str:
-    return f"{SUBNET}.{200 + index}"
 
 
 @contextmanager
 def shaped_star(hosts: dict[str, str], rate: str, mtu: int, rates: dict[str, str] | None = None):
-    """A bridge and one namespace per host (name -> IP); each veth link limited to `rate` both ways
-    (`rates` gives some hosts another). Yields the namespaces by host name, and a function that counts
-    the packets dropped so far."""
-    # unique per call: a second network in the same process must not meet the first's veths, whose
-    # removal with their namespaces the kernel may not have finished
-    tag = f"{os.getpid() % 100000:05d}{chr(ord('a') + next(_NETWORKS) % 26)}"
-    bridge, made = f"zsb{tag}", []
-    namespaces = {name: f"zs{tag}{name}" for name in hosts}
-    # tbf needs a bucket of at least one MTU-sized burst per timer tick; 1 ms worth of the rate is ample.
-
-    def shape(dev: str, rate: str) -> list:
-        burst = f"{max(64 * 1024, _bits(rate) // 8 // 1000)}"
-        return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms"]
-
-    def drops() -> tuple[int, int]:
-        return shaper_drops(made, f"zs{tag}o"), socket_drops(made)
-
-    try:
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        sh("ip", "link", "set", bridge, "up")
-        # With br_netfilter loaded, bridged frames traverse iptables' FORWARD chain, whose policy Docker
-        # sets to DROP: let this bridge's own traffic through (removed again below).
-        sh(*_forward_rule("-I", bridge), check=False)
-        for i, (name, ip) in enumerate(hosts.items()):
-            ns, outside, inside = namespaces[name], f"zs{tag}o{i}", f"zs{tag}i{i}"
-            link_rate = (rates or {}).get(name, rate)
-            sh("ip", "netns", "add", ns)
-            made.append(ns)
-            sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-            sh("ip", "link", "set", inside, "netns", ns)
-            sh("ip", "link", "set", outside, "mtu", mtu, "master", bridge, "up")
-            sh(*shape(outside, link_rate))
-            for cmd in (["ip", "link", "set", inside, "name", "eth0"],
-                        ["ip", "link", "set", "eth0", "mtu", mtu, "up"], ["ip", "link", "set", "lo", "up"],
-                        ["ip", "addr", "add", f"{ip}/24", "dev", "eth0"], shape("eth0", link_rate)):
-                sh("ip", "netns", "exec", ns, *cmd)
-        yield namespaces, drops
-    finally:
-        for ns in made:
-            sh("ip", "netns", "del", ns, check=False)   # takes its veth pair with it
-        sh("ip", "link", "del", bridge, check=False)
-        sh(*_forward_rule("-D", bridge), check=False)
-
-
-def shaper_drops(namespaces: list[str], outside_prefix: str) -> int:
-    """Packets the token buckets dropped so far (queue full), over both ends of every link."""
-    texts = [sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", "eth0").stdout for ns in namespaces]
-    texts += [block for block in sh("tc", "-s", "qdisc", "show").stdout.split("qdisc ")
-              if f"dev {outside_prefix}" in block]
-    return sum(int(m) for text in texts for m in re.findall(r"dropped (\d+)", text))
-
-
-def socket_drops(namespaces: list[str]) -> int:
-    """UDP datagrams the hosts' kernels dropped because a socket's receive buffer was full."""
-    total = 0
-    for ns in namespaces:
-        lines = [line.split() for line in sh("ip", "netns", "exec", ns, "cat", "/proc/net/snmp").stdout.splitlines()
-                 if line.startswith("Udp:")]
-        if len(lines) == 2:
-            total += int(dict(zip(*lines)).get("RcvbufErrors", 0))
-    return total
-
-
-def _forward_rule(action: str, bridge: str) -> list[str]:
-    if shutil.which("iptables") is None:     # no iptables, no FORWARD chain to open
-        return ["true"]
-    return ["iptables", action, "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
-
-
-def _bits(rate: str) -> int:
-    units = {"kbit": 10 ** 3, "mbit": 10 ** 6, "gbit": 10 ** 9, "bit": 1}
-    for unit, scale in units.items():
-        if rate.lower().endswith(unit):
-            return int(float(rate[: -len(unit)]) * scale)
-    raise argparse.ArgumentTypeError(f"rate {rate!r}: give it as tc does, e.g. 1gbit, 500mbit")
-
-
-def rate_type(text: str) -> str:
-    _bits(text)
-    return text
+    """zerosum.netns.star with every link shaped (the experiments' name for it)."""
+    with star(hosts, mtu, rate, rates) as built:
+        yield built
 
 
 def run(rate: str, workers: int, aggregators: int, example: str, mtu: int, example_args: list[str],

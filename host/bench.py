@@ -64,13 +64,19 @@ def _worker(events, acks, sync, rank, world, addresses, plan, gloo_port):
 
 def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
     import zerosum
+    gloo_host = "127.0.0.1"
+    if plan.get("namespaces"):      # --mtu: this rank is a host of its own, gloo on the same link
+        from . import netns
+        netns.enter(plan["namespaces"][rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+        gloo_host = netns.worker_ip(0)
     dist = None
     if plan["baseline"]:
         try:
             import torch
             import torch.distributed as dist
             torch.set_num_threads(1)
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
+            dist.init_process_group("gloo", init_method=f"tcp://{gloo_host}:{gloo_port}", rank=rank,
                                     world_size=world)
         except ImportError:
             dist = None
@@ -136,10 +142,26 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
 # -- in the bench process ----------------------------------------------------------------------------
 
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
-    aggs = [LocalAggregator(world, slots=plan["slots"], listen=f"127.0.0.1:{port + i if port else 0}",
-                            max_datagram=plan.get("max_datagram")) for i in range(aggregators)]
+    """One world size: on loopback, or with plan["mtu"] on hosts in network namespaces (netns.star)."""
+    if not plan.get("mtu"):
+        return _run_world(world, plan, aggregators, port, on_step)
+    from . import netns
+    hosts = {f"a{i}": netns.aggregator_ip(i) for i in range(aggregators)}
+    hosts.update({f"w{r}": netns.worker_ip(r) for r in range(world)})
+    with netns.star(hosts, plan["mtu"]) as (ns, _):
+        here = dict(plan, namespaces=[ns[f"w{r}"] for r in range(world)],
+                    listen=[f"{netns.aggregator_ip(i)}:{port or 48879}" for i in range(aggregators)],
+                    prefixes=[["ip", "netns", "exec", ns[f"a{i}"]] for i in range(aggregators)])
+        return _run_world(world, here, aggregators, port, on_step)
+
+
+def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> dict:
+    listen = plan.get("listen") or [f"127.0.0.1:{port + i if port else 0}" for i in range(aggregators)]
+    aggs = [LocalAggregator(world, slots=plan["slots"], listen=listen[i], max_datagram=plan.get("max_datagram"),
+                            prefix=plan["prefixes"][i] if plan.get("prefixes") else ())
+            for i in range(aggregators)]
     events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
-    gloo_port = _free_port()
+    gloo_port = 29500 if plan.get("namespaces") else _free_port()
     procs = [CTX.Process(target=_worker, daemon=True,
                          args=(events, acks, sync, r, world, [a.address for a in aggs], plan, gloo_port))
              for r in range(world)]
@@ -310,6 +332,10 @@ def run_from_args(args) -> int:
     from rich.progress import Progress
 
     from .protocol import MAX_WORLD
+    if args.mtu:
+        from .netns import available
+        if available():
+            raise ValueError(f"--mtu runs workers and aggregators on hosts in network namespaces: it {available()}")
     if any(w > MAX_WORLD for w in args.workers):
         raise ValueError(f"--workers must be at most {MAX_WORLD}, got {max(args.workers)}")
     if args.warmup < 0:
@@ -318,7 +344,7 @@ def run_from_args(args) -> int:
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
-            "max_datagram": args.max_datagram}
+            "max_datagram": args.max_datagram, "mtu": args.mtu}
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
@@ -346,7 +372,9 @@ def run_from_args(args) -> int:
     import socket
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         console.print(f"datagram I/O: {detect(s).describe()}; largest datagram "
-                      f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}")
+                      f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}"
+                      + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}" if plan.get("mtu") else
+                         "; loopback"))
     for run in results["runs"]:
         for r in run["rows"]:
             if r.get("floor_s"):

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--max-datagram", type=_positive_int, default=None, metavar="BYTES",
                        help="largest datagram of workers and aggregators (default: the path MTU - 28), "
                             "e.g. 1472 or 8972 for the datagram counts of MTU 1,500 or 9,000 links")
+        b.add_argument("--mtu", type=_positive_int, default=None, metavar="BYTES",
+                       help="run every worker and aggregator on a host of its own (network namespaces, "
+                            "veth links of this MTU, unshaped; needs root), gloo on the same links")
         b.add_argument("--floor", action="store_true",
                        help="also run the sockets-only star (the floor: moving the same datagrams, no "
                             "arithmetic, no loss recovery) and show ZeroSum's time against it")

@@ -129,8 +129,10 @@ class Worker:
         self._keys = np.array([T.address_key(a) for a in self.aggregators], np.int64)
         self._features = T.detect(self.sock)
         self._rx = T.rx_batch()
-        # the simulated loss drops single datagrams: not with GSO, which sends runs of them at once
-        self._tx = T.tx_queue(self._features.gso and not self.loss.rate)
+        # Not with GSO: the simulated loss drops single datagrams, not runs of them; and a switch
+        # (max_entries 1) may read raw frames (bmv2, the emulator's ports), where a GSO run crosses a
+        # veth link uncut, as one oversized frame, instead of as datagrams
+        self._tx = T.tx_queue(self._features.gso and not self.loss.rate and self.config.max_entries > 1)
         # One buffer per datagram of a batch: a batch's datagrams are parsed in place, then merged.
         self._buf = bytearray(P.MAX_DATAGRAM + 1)
         self._view = memoryview(self._buf)

@@ -135,3 +135,43 @@ def test_mtu_sized_datagrams_sum_exactly_in_every_io_mode(mode, monkeypatch):
     finally:
         counters = agg.stop()
     assert counters.get("send_errors", 0) == 0
+
+
+def _netns_or_skip():
+    from zerosum import netns
+    why = netns.available()
+    if why:
+        pytest.skip(f"the namespace star {why}")
+    return netns
+
+
+@pytest.mark.parametrize("mtu", [1500, 9000])
+def test_on_a_real_link_the_default_datagram_fits_its_mtu(mtu):
+    import subprocess
+    import sys
+    netns = _netns_or_skip()
+    hosts = {"a": netns.aggregator_ip(0), "w": netns.worker_ip(0)}
+    with netns.star(hosts, mtu) as (ns, _):
+        code = ("import zerosum; w = zerosum.Worker(0, 1, ['%s:9']); print(w.config.max_datagram)"
+                % netns.aggregator_ip(0))
+        out = subprocess.run(["ip", "netns", "exec", ns["w"], sys.executable, "-c", code], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == mtu - 28
+
+
+def test_bench_on_veth_links_of_mtu_1500_sums_exactly(tmp_path):
+    """`zerosum bench --mtu 1500`: every rank and the aggregator on hosts of their own, datagrams of the
+    path's size (no fragments), every result checked against the reference, nothing retransmitted."""
+    import json
+    import subprocess
+    import sys
+    _netns_or_skip()
+    out = subprocess.run([sys.executable, "-m", "zerosum", "bench", "--mtu", "1500", "--workers", "2",
+                          "--size", "300000", "--densities", "1.0,0.05", "--rounds", "1", "--no-baseline",
+                          "--output", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "veth links of MTU 1500" in out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["rows"]
+    assert [r["density"] for r in rows] == [1.0, 0.05]
+    assert all(r["retransmitted_entries"] == 0 for r in rows)
