@@ -92,10 +92,12 @@ def _newer(a, b):
 
 
 @njit(**JIT)
-def _add_swapped(words, acc):
-    for v in range(acc.shape[0]):
+def _add_swapped(words, acc, s):
+    """acc[s] += the network-order words (row indexed here: a row view would cost two atomic reference
+    count updates per entry)."""
+    for v in range(acc.shape[1]):
         w = words[v]
-        acc[v] += np.int32(swap32(w))
+        acc[s, v] += np.int32(swap32(w))
 
 
 @njit(**JIT)
@@ -120,69 +122,67 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
         at = data0 + row * block_size * 4
         if has:
             row += 1
-        r = regs[s]
         # R-A1: a bootstrap entry of a newer epoch starts the slot's next allreduce; the previous round
         # (prev_*, shadow) is kept, so a worker that lost the old epoch's last result still gets it.
-        if block == BOOT and (r[SLOT_EPOCH] < 0 or _newer(epoch, r[SLOT_EPOCH])):
-            r[SLOT_EPOCH] = epoch
-            r[SLOT_BLOCK] = BOOT
-            r[SLOT_EXP] = NO_EXP
-            r[SLOT_TENSOR_BLOCKS] = tensor_blocks
-            r[BITMAP] = 0
-            r[COUNT] = 0
-            r[MIN_NEXT] = END
-            r[MIN_NEXT_EXP] = NO_EXP
-            if r[HAS_DATA_REG]:    # an abandoned round left a partial sum behind
+        if block == BOOT and (regs[s, SLOT_EPOCH] < 0 or _newer(epoch, regs[s, SLOT_EPOCH])):
+            regs[s, SLOT_EPOCH] = epoch
+            regs[s, SLOT_BLOCK] = BOOT
+            regs[s, SLOT_EXP] = NO_EXP
+            regs[s, SLOT_TENSOR_BLOCKS] = tensor_blocks
+            regs[s, BITMAP] = 0
+            regs[s, COUNT] = 0
+            regs[s, MIN_NEXT] = END
+            regs[s, MIN_NEXT_EXP] = NO_EXP
+            if regs[s, HAS_DATA_REG]:    # an abandoned round left a partial sum behind
                 acc[s, :] = 0
-            r[HAS_DATA_REG] = 0
-        if r[SLOT_EPOCH] == epoch and block == r[SLOT_BLOCK]:
-            if r[BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
+            regs[s, HAS_DATA_REG] = 0
+        if regs[s, SLOT_EPOCH] == epoch and block == regs[s, SLOT_BLOCK]:
+            if regs[s, BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
                 replies[0, counts[DUPS]] = s
                 counts[DUPS] += 1
                 continue
-            if (has and exp != r[SLOT_EXP]) or r[SLOT_TENSOR_BLOCKS] != tensor_blocks:
+            if (has and exp != regs[s, SLOT_EXP]) or regs[s, SLOT_TENSOR_BLOCKS] != tensor_blocks:
                 # R-A5: the worker disagrees with the slot about the block's exponent or the tensor: never add
                 counts[MISMATCH] += 1
                 continue
             # R-A6: add it, mark the rank, count it, keep the minimum next
             if has:
-                words = b[at: at + block_size * 4].view(np.uint32)
-                _add_swapped(words, acc[s])
-                r[HAS_DATA_REG] = 1
-            r[BITMAP] |= bit
-            r[COUNT] += 1
-            if nxt < r[MIN_NEXT]:
-                r[MIN_NEXT] = nxt
-                r[MIN_NEXT_EXP] = nexp
-            elif nxt == r[MIN_NEXT] and nexp > r[MIN_NEXT_EXP]:
-                r[MIN_NEXT_EXP] = nexp
-            if r[COUNT] == world:
+                _add_swapped(b[at: at + block_size * 4].view(np.uint32), acc, s)
+                regs[s, HAS_DATA_REG] = 1
+            regs[s, BITMAP] |= bit
+            regs[s, COUNT] += 1
+            if nxt < regs[s, MIN_NEXT]:
+                regs[s, MIN_NEXT] = nxt
+                regs[s, MIN_NEXT_EXP] = nexp
+            elif nxt == regs[s, MIN_NEXT] and nexp > regs[s, MIN_NEXT_EXP]:
+                regs[s, MIN_NEXT_EXP] = nexp
+            if regs[s, COUNT] == world:
                 # R-A7: complete: the result becomes the shadow copy, the slot moves to the minimum next
-                if r[HAS_DATA_REG]:
+                if regs[s, HAS_DATA_REG]:
                     shadow[s, :] = acc[s, :]
                     acc[s, :] = 0
-                r[PREV_EPOCH] = r[SLOT_EPOCH]
-                r[PREV_BLOCK] = r[SLOT_BLOCK]
-                r[PREV_NEXT] = r[MIN_NEXT]
-                r[PREV_EXP] = r[SLOT_EXP]
-                r[PREV_NEXT_EXP] = r[MIN_NEXT_EXP]
-                r[PREV_HAS_DATA] = r[HAS_DATA_REG]
-                r[SLOT_BLOCK] = r[MIN_NEXT]
-                r[SLOT_EXP] = r[MIN_NEXT_EXP]
-                r[BITMAP] = 0
-                r[COUNT] = 0
-                r[MIN_NEXT] = END
-                r[MIN_NEXT_EXP] = NO_EXP
-                r[HAS_DATA_REG] = 0
+                regs[s, PREV_EPOCH] = regs[s, SLOT_EPOCH]
+                regs[s, PREV_BLOCK] = regs[s, SLOT_BLOCK]
+                regs[s, PREV_NEXT] = regs[s, MIN_NEXT]
+                regs[s, PREV_EXP] = regs[s, SLOT_EXP]
+                regs[s, PREV_NEXT_EXP] = regs[s, MIN_NEXT_EXP]
+                regs[s, PREV_HAS_DATA] = regs[s, HAS_DATA_REG]
+                regs[s, SLOT_BLOCK] = regs[s, MIN_NEXT]
+                regs[s, SLOT_EXP] = regs[s, MIN_NEXT_EXP]
+                regs[s, BITMAP] = 0
+                regs[s, COUNT] = 0
+                regs[s, MIN_NEXT] = END
+                regs[s, MIN_NEXT_EXP] = NO_EXP
+                regs[s, HAS_DATA_REG] = 0
                 counts[ROUNDS] += 1
-                if not r[PENDING]:
-                    r[PENDING] = 1
+                if not regs[s, PENDING]:
+                    regs[s, PENDING] = 1
                     done[counts[DONE]] = s
                     counts[DONE] += 1
-        elif r[PREV_EPOCH] == epoch and block == r[PREV_BLOCK]:
+        elif regs[s, PREV_EPOCH] == epoch and block == regs[s, PREV_BLOCK]:
             # R-A3: answered from the shadow copy, unless the round's RESULT still waits for the flush,
             # which sends it to every worker (a reply now would overtake it and look like a loss)
-            if not r[PENDING]:
+            if not regs[s, PENDING]:
                 replies[1, counts[RETX]] = s
                 counts[RETX] += 1
         else:
@@ -218,13 +218,12 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
         d = e + (j - i) * ENT
         for k in range(i, j):
             s = slots[k]
-            r = regs[s]
             if status:
-                put_entry(out, e, s, 0, r[SLOT_BLOCK], r[BITMAP], NO_EXP, NO_EXP)
+                put_entry(out, e, s, 0, regs[s, SLOT_BLOCK], regs[s, BITMAP], NO_EXP, NO_EXP)
             else:
-                has = r[PREV_HAS_DATA] != 0
-                put_entry(out, e, s, HAS_DATA if has else 0, r[PREV_BLOCK], r[PREV_NEXT], r[PREV_EXP],
-                          r[PREV_NEXT_EXP])
+                has = regs[s, PREV_HAS_DATA] != 0
+                put_entry(out, e, s, HAS_DATA if has else 0, regs[s, PREV_BLOCK], regs[s, PREV_NEXT], regs[s, PREV_EXP],
+                          regs[s, PREV_NEXT_EXP])
                 if has:
                     copy_swapped(t.shadow[s].view(np.uint32), 0, B, out[d: d + per_data].view(np.uint32))
                     d += per_data
@@ -251,7 +250,7 @@ def flush_results(t):
     encode_slots(t, t.done, n, False, t.state[PENDING_EPOCH], t.state[PENDING_TENSOR_BLOCKS], 1)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def handle_data(t, b, n, nent, epoch, tensor_blocks, rank):
     """A member's DATA datagram that passed R-V1 ... R-V10 up to its slots: R-V10's slot rule, then
     R-A1 ... R-A7. Its replies (duplicates: STATUS; retransmissions: the shadow copy) go to the sender;
@@ -289,15 +288,17 @@ def handle_data(t, b, n, nent, epoch, tensor_blocks, rank):
 
 # -- the server's driver loop ----------------------------------------------------------------------------
 
-@njit(**JIT)
-def _classify(b, size, source, job_ids, tables):
-    """The table index of a job whose member sent this well-formed DATA datagram, or -1 (for Python)."""
+@njit(inline="always", **JIT)
+def _classify(b, size, source, job_ids, tables, current, t):
+    """The table index of a job whose member sent this well-formed DATA datagram, or -1 (for Python).
+    `t` is tables[current], the job of the datagram before."""
     if size < HDR or b[H_VERSION] != VERSION or b[H_TYPE] != DATA:
         return -1
     job = get16(b, H_JOB)
     for k in range(job_ids.shape[0]):
         if job_ids[k] == job:
-            t = tables[k]
+            if k != current:
+                t = tables[k]
             rank = get16(b, H_RANK)
             if rank >= t.accept.shape[0] or t.accept[rank] != source or t.accept[rank] < 0:
                 return -1
@@ -309,7 +310,7 @@ def _classify(b, size, source, job_ids, tables):
     return -1
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _room(t, fd, tx):
     """Make room in t.wire for one call's output: send what is queued (all of it points into wires),
     then start the buffer over."""
@@ -319,7 +320,7 @@ def _room(t, fd, tx):
         t.state[USED] = 0
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _drain(t, fd, tx, source, loss):
     """Queue t's listed datagrams: to every member, or to `source`."""
     base = t.wire.ctypes.data
@@ -363,20 +364,27 @@ def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
     replies and results queued and sent. Returns (i, off) of the first datagram for Python (JOIN, LEAVE,
     STATS, anything malformed or from a stranger), or (n, 0) when the batch is done. Either way, the
     rounds completed so far have been flushed and everything queued has been sent."""
+    # (taking a table out of the list costs an atomic reference count update per array in it: once
+    # per run of the same job's datagrams, not per datagram)
+    current = 0
+    t = tables[0]
     while i < n:
         length, seg = rx.length[i], rx.seg[i]
         source = rx.source[i]
+        row = rx.buf[i]
         while off < length:
             size = min(seg, length - off)
-            b = rx.buf[i, off: off + size]
+            b = row[off: off + size]
             if loss > 0.0 and np.random.random() < loss:
                 off += seg
                 continue
-            k = _classify(b, size, source, job_ids, tables)
+            k = _classify(b, size, source, job_ids, tables, current, t)
             if k < 0:
                 _finish(tables, fd, tx, loss)
                 return i, off
-            t = tables[k]
+            if k != current:
+                current = k
+                t = tables[k]
             _room(t, fd, tx)
             handle_data(t, b, size, get16(b, H_ENTRIES), get32(b, H_EPOCH), get32(b, H_TENSOR_BLOCKS),
                         get16(b, H_RANK))

@@ -321,9 +321,9 @@ def test_int_loops_and_copy_are_byte_swaps():
     out = np.zeros(len(v) + 1, np.int32)
     K._store_ints(words, len(v), out, 1)
     assert np.array_equal(out[1:], v) and out[0] == 0
-    acc = np.arange(len(v), dtype=np.int32)
-    AK._add_swapped(words, acc)
-    assert np.array_equal(acc, (np.arange(len(v)) + v.astype(np.int64)).astype(np.int32))   # wraps as int32
+    acc = np.arange(len(v), dtype=np.int32).reshape(1, -1)
+    AK._add_swapped(words, acc, 0)
+    assert np.array_equal(acc[0], (np.arange(len(v)) + v.astype(np.int64)).astype(np.int32))   # wraps as int32
 
 
 def test_scale_rows_is_exact_ldexp():
