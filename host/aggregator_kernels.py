@@ -21,10 +21,10 @@ from numba import njit
 
 from . import spec
 from . import transport as T
-from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_RANGE, DROP_REASONS, END, ENT, H_BLOCK_SIZE, H_EPOCH,
+from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_REASONS, END, ENT, H_BLOCK_SIZE, H_EPOCH,
                    H_ENTRIES, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, H_WORLD, HAS_DATA, HDR,
                    JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, check_entries, check_slots,
-                   copy_swapped, get16, get32, put_entry, put_header, read_entry, swap32)
+                   get16, get32, put_entry, put_header, read_entry, swap32)
 
 # Slot registers: columns of the `regs` array (the P4 program's register names).
 (SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,
@@ -92,11 +92,11 @@ def _newer(a, b):
 
 
 @njit(**JIT)
-def _add_swapped(words, acc, s):
-    """acc[s] += the network-order words (row indexed here: a row view would cost two atomic reference
+def _add_swapped(words, at, acc, s):
+    """acc[s] += the network-order words[at:] (rows indexed here: a row view would cost atomic reference
     count updates per entry)."""
     for v in range(acc.shape[1]):
-        w = words[v]
+        w = words[at + v]
         acc[s, v] += np.int32(swap32(w))
 
 
@@ -117,6 +117,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
     bit = np.int64(1) << rank
     row = 0
     data0 = HDR + nent * ENT
+    b32 = b[:n - n % 4].view(np.uint32)    # the data as words (a DATA datagram's length is 4-aligned)
     for i in range(nent):
         s, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
         at = data0 + row * block_size * 4
@@ -134,7 +135,8 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
             regs[s, MIN_NEXT] = END
             regs[s, MIN_NEXT_EXP] = NO_EXP
             if regs[s, HAS_DATA_REG]:    # an abandoned round left a partial sum behind
-                acc[s, :] = 0
+                for v in range(block_size):
+                    acc[s, v] = 0
             regs[s, HAS_DATA_REG] = 0
         if regs[s, SLOT_EPOCH] == epoch and block == regs[s, SLOT_BLOCK]:
             if regs[s, BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
@@ -147,7 +149,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 continue
             # R-A6: add it, mark the rank, count it, keep the minimum next
             if has:
-                _add_swapped(b[at: at + block_size * 4].view(np.uint32), acc, s)
+                _add_swapped(b32, at // 4, acc, s)
                 regs[s, HAS_DATA_REG] = 1
             regs[s, BITMAP] |= bit
             regs[s, COUNT] += 1
@@ -159,8 +161,9 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
             if regs[s, COUNT] == world:
                 # R-A7: complete: the result becomes the shadow copy, the slot moves to the minimum next
                 if regs[s, HAS_DATA_REG]:
-                    shadow[s, :] = acc[s, :]
-                    acc[s, :] = 0
+                    for v in range(block_size):
+                        shadow[s, v] = acc[s, v]
+                        acc[s, v] = 0
                 regs[s, PREV_EPOCH] = regs[s, SLOT_EPOCH]
                 regs[s, PREV_BLOCK] = regs[s, SLOT_BLOCK]
                 regs[s, PREV_NEXT] = regs[s, MIN_NEXT]
@@ -197,7 +200,8 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
     listed in t.cuts. Cut by bytes (geometry's max_datagram): a result may need more datagrams than
     the contribution that completed it."""
     job, world, B, max_bytes = t.geometry[0], t.geometry[1], t.geometry[2], t.geometry[3]
-    out, regs = t.wire, t.regs
+    out, regs, shadow = t.wire, t.regs, t.shadow
+    out32 = out.view(np.uint32)       # datagrams are 4-aligned in wire: data words written in place
     per_data = B * 4
     budget = min(max_bytes, MAX_DATAGRAM) - HDR
     ptype = STATUS if status else RESULT
@@ -225,7 +229,8 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
                 put_entry(out, e, s, HAS_DATA if has else 0, regs[s, PREV_BLOCK], regs[s, PREV_NEXT], regs[s, PREV_EXP],
                           regs[s, PREV_NEXT_EXP])
                 if has:
-                    copy_swapped(t.shadow[s].view(np.uint32), 0, B, out[d: d + per_data].view(np.uint32))
+                    for v in range(B):
+                        out32[d // 4 + v] = swap32(np.uint32(shadow[s, v]))
                     d += per_data
             e += ENT
         c = t.state[NCUTS]

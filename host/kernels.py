@@ -491,7 +491,7 @@ def update_rto(st):
     f[F_BASE_RTO] = min(max(f[F_SRTT] + 4 * f[F_RTTVAR], f[F_MIN_RTO]), f[F_MAX_RTO])
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def receive_one(st, b, n, aggregator, now):
     """One datagram from aggregator index `aggregator`: the reply checks (a JOIN_ACK is a late answer to
     a join, harmless), then apply_datagram. Returns APPLIED, PROBE_OUT (applied, and a probe to that

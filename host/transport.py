@@ -169,24 +169,25 @@ def receive(fd, rx, timeout_ms):
     if got <= 0:
         return 0
     for i in range(got):
+        # (rows indexed in place throughout: a row view costs atomic reference count updates)
         length = np.int64(rx.hdrs[i, 7] & np.uint64(0xFFFFFFFF))    # msg_len
         rx.length[i] = length
-        nm = rx.names[i]
-        port = (np.int64(nm[2]) << 8) | np.int64(nm[3])
-        ip = (np.int64(nm[4]) << 24) | (np.int64(nm[5]) << 16) | (np.int64(nm[6]) << 8) | np.int64(nm[7])
+        nm = rx.names
+        port = (np.int64(nm[i, 2]) << 8) | np.int64(nm[i, 3])
+        ip = (np.int64(nm[i, 4]) << 24) | (np.int64(nm[i, 5]) << 16) | (np.int64(nm[i, 6]) << 8) | np.int64(nm[i, 7])
         rx.source[i] = (ip << 16) | port
         seg = length
         if rx.hdrs[i, 5] >= 20:         # a control message came back: the GRO segment size
-            c = rx.ctrl[i]
-            if (c[1] & np.uint64(0xFFFFFFFF)) == SOL_UDP and (c[1] >> np.uint64(32)) == UDP_GRO:
-                s = np.int64(c[2] & np.uint64(0xFFFFFFFF))
+            c = rx.ctrl
+            if (c[i, 1] & np.uint64(0xFFFFFFFF)) == SOL_UDP and (c[i, 1] >> np.uint64(32)) == UDP_GRO:
+                s = np.int64(c[i, 2] & np.uint64(0xFFFFFFFF))
                 if 0 < s < length:
                     seg = s
         rx.seg[i] = seg if seg > 0 else 1
     return got
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def queue(fd, tx, address, length, destination, seg):
     """Queue `length` bytes at machine address `address` to `destination` (ip << 16 | port); `seg` > 0
     asks for GSO: the bytes are datagrams of `seg` bytes each (the last may be shorter). Sends the
@@ -197,18 +198,18 @@ def queue(fd, tx, address, length, destination, seg):
         k = 0
     tx.iov[k, 0] = address
     tx.iov[k, 1] = length
-    nm = tx.names[k]
+    nm = tx.names
     port = destination & 0xFFFF
     ip = destination >> 16
-    nm[2] = (port >> 8) & 0xFF
-    nm[3] = port & 0xFF
-    nm[4] = (ip >> 24) & 0xFF
-    nm[5] = (ip >> 16) & 0xFF
-    nm[6] = (ip >> 8) & 0xFF
-    nm[7] = ip & 0xFF
+    nm[k, 2] = (port >> 8) & 0xFF
+    nm[k, 3] = port & 0xFF
+    nm[k, 4] = (ip >> 24) & 0xFF
+    nm[k, 5] = (ip >> 16) & 0xFF
+    nm[k, 6] = (ip >> 8) & 0xFF
+    nm[k, 7] = ip & 0xFF
     if seg > 0 and seg < length:
         tx.ctrl[k, 2] = seg
-        tx.hdrs[k, 4] = tx.ctrl[k].ctypes.data
+        tx.hdrs[k, 4] = tx.ctrl.ctypes.data + k * 24
         tx.hdrs[k, 5] = 24                  # CMSG_SPACE(sizeof(uint16_t))
         tx.seg[k] = seg
     else:

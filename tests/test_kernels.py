@@ -322,7 +322,7 @@ def test_int_loops_and_copy_are_byte_swaps():
     K._store_ints(words, len(v), out, 1)
     assert np.array_equal(out[1:], v) and out[0] == 0
     acc = np.arange(len(v), dtype=np.int32).reshape(1, -1)
-    AK._add_swapped(words, acc, 0)
+    AK._add_swapped(words, 0, acc, 0)
     assert np.array_equal(acc[0], (np.arange(len(v)) + v.astype(np.int64)).astype(np.int32))   # wraps as int32
 
 
