@@ -85,6 +85,14 @@ def slot_table(job: int, world: int, slots: int, block_size: int, max_datagram: 
 
 
 @njit(**JIT)
+def _raw_table(t):
+    """t over the same memory, without reference counts (transport.raw)."""
+    return SlotTable(T.raw(t.regs), T.raw(t.acc), T.raw(t.shadow), T.raw(t.geometry), T.raw(t.counters),
+                     T.raw(t.seen), T.raw(t.done), T.raw(t.replies), T.raw(t.counts), T.raw(t.state),
+                     T.raw(t.wire), T.raw(t.cuts), T.raw(t.accept), T.raw(t.members))
+
+
+@njit(**JIT)
 def _newer(a, b):
     """Serial-number comparison of 32-bit epochs (RFC 1982): a is after b."""
     d = (a - b) & 0xFFFFFFFF
@@ -293,26 +301,29 @@ def handle_data(t, b, n, nent, epoch, tensor_blocks, rank):
 
 # -- the server's driver loop ----------------------------------------------------------------------------
 
-@njit(inline="always", **JIT)
-def _classify(b, size, source, job_ids, tables, current, t):
-    """The table index of a job whose member sent this well-formed DATA datagram, or -1 (for Python).
-    `t` is tables[current], the job of the datagram before."""
+@njit(**JIT)
+def _job_of(b, size, job_ids):
+    """The table index of a DATA datagram's job, or -1 (not DATA of a job served: for Python)."""
     if size < HDR or b[H_VERSION] != VERSION or b[H_TYPE] != DATA:
         return -1
     job = get16(b, H_JOB)
     for k in range(job_ids.shape[0]):
         if job_ids[k] == job:
-            if k != current:
-                t = tables[k]
-            rank = get16(b, H_RANK)
-            if rank >= t.accept.shape[0] or t.accept[rank] != source or t.accept[rank] < 0:
-                return -1
-            if get16(b, H_WORLD) != t.geometry[1] or get16(b, H_BLOCK_SIZE) != t.geometry[2]:
-                return -1
-            reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS),
-                                      True)
-            return k if reason == OK else -1
+            return k
     return -1
+
+
+@njit(inline="always", **JIT)
+def _fast(t, b, size, source):
+    """Whether job t's member sent this DATA datagram, well-formed (R-V4, R-V5) and of the job's geometry:
+    the compiled loop takes it; otherwise Python, with the full validation order."""
+    rank = get16(b, H_RANK)
+    if rank >= t.accept.shape[0] or t.accept[rank] != source or t.accept[rank] < 0:
+        return False
+    if get16(b, H_WORLD) != t.geometry[1] or get16(b, H_BLOCK_SIZE) != t.geometry[2]:
+        return False
+    reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True)
+    return reason == OK
 
 
 @njit(inline="always", **JIT)
@@ -328,8 +339,10 @@ def _room(t, fd, tx):
 @njit(inline="always", **JIT)
 def _drain(t, fd, tx, source, loss):
     """Queue t's listed datagrams: to every member, or to `source`."""
-    base = t.wire.ctypes.data
     n = t.state[NCUTS]
+    if n == 0:
+        return
+    base = t.wire.ctypes.data
     starts = t.cuts[:n, 0]
     ends = t.cuts[:n, 1]
     i = 0
@@ -354,25 +367,24 @@ def _drain(t, fd, tx, source, loss):
 @njit(**JIT)
 def _finish(tables, fd, tx, loss):
     for k in range(len(tables)):
-        t = tables[k]
-        _room(t, fd, tx)
-        flush_results(t)
-        _drain(t, fd, tx, -1, loss)
+        _flush_job(_raw_table(tables[k]), fd, tx, loss)
     T.send(fd, tx)
-    for k in range(len(tables)):
+    for k in range(len(tables)):       # everything queued is sent: the wires are free again
         tables[k].state[USED] = 0
 
 
 @njit(**JIT)
-def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
-    """Take the received batch from datagram (i, off) on: DATA of the jobs' members through handle_data,
-    replies and results queued and sent. Returns (i, off) of the first datagram for Python (JOIN, LEAVE,
-    STATS, anything malformed or from a stranger), or (n, 0) when the batch is done. Either way, the
-    rounds completed so far have been flushed and everything queued has been sent."""
-    # (taking a table out of the list costs an atomic reference count update per array in it: once
-    # per run of the same job's datagrams, not per datagram)
-    current = 0
-    t = tables[0]
+def _flush_job(t, fd, tx, loss):
+    _room(t, fd, tx)
+    flush_results(t)
+    _drain(t, fd, tx, -1, loss)
+
+
+@njit(**JIT)
+def _run(t, k, fd, rx, n, i, off, job_ids, tx, loss):
+    """The datagrams of job t (index k) from (i, off) on, until one that is not: returns its position.
+    (t is an argument, never reassigned: a record held in a loop variable would have the reference counts
+    of all its arrays updated, atomically, at every turn.)"""
     while i < n:
         length, seg = rx.length[i], rx.seg[i]
         source = rx.source[i]
@@ -383,13 +395,8 @@ def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
             if loss > 0.0 and np.random.random() < loss:
                 off += seg
                 continue
-            k = _classify(b, size, source, job_ids, tables, current, t)
-            if k < 0:
-                _finish(tables, fd, tx, loss)
+            if _job_of(b, size, job_ids) != k or not _fast(t, b, size, source):
                 return i, off
-            if k != current:
-                current = k
-                t = tables[k]
             _room(t, fd, tx)
             handle_data(t, b, size, get16(b, H_ENTRIES), get32(b, H_EPOCH), get32(b, H_TENSOR_BLOCKS),
                         get16(b, H_RANK))
@@ -398,5 +405,29 @@ def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
             off += seg
         i += 1
         off = 0
+    return i, off
+
+
+@njit(**JIT)
+def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
+    """Take the received batch from datagram (i, off) on: DATA of the jobs' members through handle_data,
+    replies and results queued and sent. Returns (i, off) of the first datagram for Python (JOIN, LEAVE,
+    STATS, anything malformed or from a stranger), or (n, 0) when the batch is done. Either way, the
+    rounds completed so far have been flushed and everything queued has been sent."""
+    rx = T.raw_rx(rx)
+    tx = T.raw_tx(tx)
+    while i < n:
+        if off >= rx.length[i]:
+            i += 1
+            off = 0
+            continue
+        size = min(rx.seg[i], rx.length[i] - off)
+        k = _job_of(rx.buf[i, off: off + size], size, job_ids)
+        if k < 0:
+            break
+        at_i, at_off = i, off
+        i, off = _run(_raw_table(tables[k]), k, fd, rx, n, i, off, job_ids, tx, loss)
+        if (i, off) == (at_i, at_off):      # not taken by its job's run: for Python
+            break
     _finish(tables, fd, tx, loss)
-    return n, 0
+    return (i, off) if i < n else (n, 0)

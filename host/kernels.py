@@ -589,6 +589,19 @@ def timer(st):
     return min(t, st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT])
 
 
+@njit(**JIT)
+def _raw_state(st):
+    """st over the same memory, without reference counts (transport.raw)."""
+    return WorkerState(
+        T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
+        T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
+        T.raw(st.ready), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
+        T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe), T.raw(st.loss_confirmed),
+        T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols), T.raw(st.seen),
+        T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts),
+        T.raw(st.f), T.raw(st.i), T.raw(st.drops))
+
+
 # drive's outcomes
 DONE, TIMER, PROBE, VIOLATION, NEED_ROWS = range(5)
 
@@ -623,6 +636,7 @@ def drive(fd, rx, tx, st, keys, loss, room, n, i, off):
     goes on from (i, off)), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
     `room`: grow the sink, then go on from (i, off))."""
     A = keys.shape[0]
+    st, rx, tx = _raw_state(st), T.raw_rx(rx), T.raw_tx(tx)
     wait = 0
     while True:
         if i >= n:                     # read what is queued (or wait for it) before judging timers

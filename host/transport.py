@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 
 JIT = dict(cache=True, nogil=True)
@@ -66,6 +66,27 @@ def _load_i32(typingctx, address):
     def codegen(context, builder, signature, args):
         return builder.load(builder.inttoptr(args[0], ir.IntType(32).as_pointer()))
     return types.int32(types.uintp), codegen
+
+
+@intrinsic
+def _pointer(typingctx, address, dtype):
+    """A typed pointer to the machine address (for carray)."""
+    item = dtype.dtype
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
+    return types.CPointer(item)(types.uintp, dtype), codegen
+
+
+@njit(**JIT)
+def raw(a):
+    """The same memory as an array without a reference count (numba.carray over its address).
+
+    numba updates an array's reference count, atomically, whenever a function takes it, a record holding
+    it is passed on, or a view of it is made, and its pruning of those updates gives up on branchy code:
+    per datagram that was most of the aggregator's time. The driver loops work on raw copies of their
+    records, made once per call, while the caller holds the real arrays alive."""
+    return carray(_pointer(a.ctypes.data, a.dtype), a.shape)
 
 
 @njit(**JIT)
@@ -106,6 +127,18 @@ class TxQueue(NamedTuple):
 
 
 QUEUED, GSO_ON, SEND_ERRORS, MESSAGES, DATAGRAMS, GSO_FALLBACKS = range(6)
+
+
+@njit(**JIT)
+def raw_rx(rx):
+    return RxBatch(raw(rx.buf), raw(rx.hdrs), raw(rx.names), raw(rx.ctrl), raw(rx.length), raw(rx.source),
+                   raw(rx.seg), raw(rx.pollfd), raw(rx.clock))
+
+
+@njit(**JIT)
+def raw_tx(tx):
+    return TxQueue(raw(tx.hdrs), raw(tx.iov), raw(tx.names), raw(tx.ctrl), raw(tx.seg), raw(tx.state),
+                   raw(tx.pollfd))
 
 
 def rx_batch() -> RxBatch:
