@@ -15,7 +15,7 @@ is physically reachable here.
 
     python limit_star.py [--world 4] [--size 26214400] [--densities 1.0,0.1,0.01] [--iters 3]
 """
-import argparse, os, socket, struct, sys, time
+import argparse, os, socket, struct, time
 import multiprocessing as mp
 import numpy as np
 
@@ -42,7 +42,6 @@ def aggregator(port, world, noadd, slots, ready):
     s.bind(("127.0.0.1", port))
     ready.set()
     buf = bytearray(HDR.size + 4 * VALS)
-    view = memoryview(buf)
     acc = np.zeros((slots, VALS), np.int32)
     cnt = np.zeros(slots, np.int64)
     out = bytearray(HDR.size + 4 * VALS)
@@ -74,7 +73,7 @@ def aggregator(port, world, noadd, slots, ready):
 
 def worker(rank, world, port, gport, size, densities, iters, window, q, sockets_only=False):
     import torch, torch.distributed as dist
-    from numba import njit, prange
+    from numba import njit
 
     @njit(cache=False, nogil=True)
     def quantise(x, scale, out):
@@ -133,7 +132,7 @@ def worker(rank, world, port, gport, size, densities, iters, window, q, sockets_
                     lo = sent * VALS; k = min(VALS, qg.size - lo)
                     HDR.pack_into(sbuf, 0, sent, k); sview[:k] = qg[lo:lo + k]
                     s.sendto(memoryview(sbuf)[:HDR.size + 4 * k], agg); sent += 1
-                n = s.recv_into(rbuf)
+                s.recv_into(rbuf)
                 c, k = HDR.unpack_from(rbuf)
                 if not sockets_only:
                     dequantise(rview[:k], inv, ysum[c * VALS:c * VALS + k])

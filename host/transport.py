@@ -291,10 +291,7 @@ def send(fd, tx):
             done += r
             continue
         e = errno()
-        if e == EINTR:
-            continue
-        if e == EAGAIN:
-            _wait(tx.pollfd, fd, POLLOUT, 1000)
+        if _retry(e, tx, fd):
             continue
         if tx.seg[done] > 0 and (e == EIO or e == EINVAL):
             tx.state[GSO_ON] = 0
@@ -306,6 +303,15 @@ def send(fd, tx):
         done += 1
     tx.state[QUEUED] = 0
     return failed
+
+
+@njit(**JIT)
+def _retry(e, tx, fd):
+    """Whether a failed send is to be tried again: interrupted, or the socket buffer was full (then
+    wait until it has room, at most 1 s)."""
+    if e == EAGAIN:
+        _wait(tx.pollfd, fd, POLLOUT, 1000)
+    return e == EINTR or e == EAGAIN
 
 
 @njit(**JIT)
@@ -329,11 +335,7 @@ def _send_unsegmented(fd, tx, k):
                 tx.state[MESSAGES] += 1
                 tx.state[DATAGRAMS] += 1
                 break
-            e = errno()
-            if e == EINTR:
-                continue
-            if e == EAGAIN:
-                _wait(tx.pollfd, fd, POLLOUT, 1000)
+            if _retry(errno(), tx, fd):
                 continue
             failed += 1
             tx.state[SEND_ERRORS] += 1

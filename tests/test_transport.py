@@ -1,6 +1,5 @@
 """zerosum.transport: batched system calls, UDP GSO and GRO, their fallbacks, and the path's datagram size;
 then whole allreduces through each I/O mode (ZEROSUM_IO) with MTU-sized datagrams, exact to the bit."""
-import os
 import socket
 
 import numpy as np
