@@ -47,9 +47,17 @@ class AggregatorServer:
                  slots: int = 8192, loss: float = 0.0, seed: int | None = None, *, max_jobs: int = 16,
                  min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0,
                  key: bytes | None = None, declared: dict[int, int] | None = None,
-                 max_datagram: int = P.MAX_DATAGRAM):
+                 max_datagram: int = P.MAX_DATAGRAM, multicast: str | None = None):
         """max_datagram: the largest RESULT/STATUS datagram sent (UDP payload bytes); on links whose MTU
-        is smaller than 64 KiB, MTU - 28 keeps results from being IP-fragmented (docs/protocol.md, "Fusion")."""
+        is smaller than 64 KiB, MTU - 28 keeps results from being IP-fragmented (docs/protocol.md, "Fusion").
+        multicast: "GROUP:PORT": results go to that IP multicast group once, instead of to each worker
+        (the workers join it: Worker(multicast=...)); needs batched I/O (Linux)."""
+        group = None
+        if multicast:
+            group = parse_address(multicast)
+            if not T.is_multicast(group[0]):
+                raise ValueError(f"--multicast {multicast}: {group[0]} is not an IPv4 multicast address "
+                                 "(224.0.0.0 to 239.255.255.255)")
         if not P.PACKET_HEADER_SIZE + P.ENTRY_SIZE <= max_datagram <= P.MAX_DATAGRAM:
             raise ValueError(f"max_datagram must be {P.PACKET_HEADER_SIZE + P.ENTRY_SIZE}..{P.MAX_DATAGRAM} "
                              f"bytes, got {max_datagram}")
@@ -70,13 +78,17 @@ class AggregatorServer:
                                          min_job_slots=min(min_job_slots, granted), max_job_slots=granted,
                                          job_idle=job_idle,
                                          declared=declared or ({job: workers} if workers else None),
-                                         key=key, max_datagram=max_datagram)
+                                         key=key, max_datagram=max_datagram, multicast=group)
         self.machine = self.service     # what the benchmark and older callers read counters from
         self.loss = LossHook(loss, seed)
         if seed is not None:
             T.seed_loss(seed)
         self.address = self.sock.getsockname()
         self.features = T.detect(self.sock)
+        if group is not None:
+            if not self.features.batched:
+                raise ValueError("--multicast needs batched I/O (Linux, ZEROSUM_IO other than plain)")
+            T.multicast_sender(self.sock, self.address[0])
         self._rx = T.rx_batch()
         # the simulated loss drops single datagrams: not with GSO, which sends runs of them at once
         self._tx = T.tx_queue(self.features.gso and not loss)

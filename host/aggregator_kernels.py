@@ -56,7 +56,7 @@ class SlotTable(NamedTuple):
     regs: np.ndarray        # int64 [slots, 16]: the slot registers
     acc: np.ndarray         # int32 [slots, block_size]: running sums
     shadow: np.ndarray      # int32 [slots, block_size]: the previous round's result (R-A3)
-    geometry: np.ndarray    # int64 [4]: job, world, block_size, max_datagram
+    geometry: np.ndarray    # int64 [5]: job, world, block_size, max_datagram, multicast group (key, -1: none)
     counters: np.ndarray    # int64 [len(spec.COUNTERS)]
     seen: np.ndarray        # int64 [slots]: slots named by the current datagram (R-V10)
     done: np.ndarray        # int64 [slots]: slots completed since the last flush
@@ -70,11 +70,11 @@ class SlotTable(NamedTuple):
 
 
 def slot_table(job: int, world: int, slots: int, block_size: int, max_datagram: int,
-               counters: np.ndarray) -> SlotTable:
+               counters: np.ndarray, multicast: int = -1) -> SlotTable:
     per_slot = ENT + 4 * block_size + HDR
     return SlotTable(np.tile(np.array(REGISTER_RESET, np.int64), (slots, 1)),
                      np.zeros((slots, block_size), np.int32), np.zeros((slots, block_size), np.int32),
-                     np.array([job, world, block_size, max_datagram], np.int64),
+                     np.array([job, world, block_size, max_datagram, multicast], np.int64),
                      counters, np.zeros(slots, np.int64),
                      np.zeros(slots, np.int64), np.zeros((2, slots), np.int64), np.zeros(6, np.int64),
                      np.zeros(7, np.int64),
@@ -350,8 +350,10 @@ def _drain(t, fd, tx, source, loss):
         j = i
         while j < n and t.cuts[j, 2] == t.cuts[i, 2]:
             j += 1
-        for r in range(t.members.shape[0] if t.cuts[i, 2] else 1):
-            dest = t.members[r] if t.cuts[i, 2] else source
+        # to every member: each, or all at once through the multicast group
+        group = t.geometry[4]
+        for r in range((1 if group >= 0 else t.members.shape[0]) if t.cuts[i, 2] else 1):
+            dest = (group if group >= 0 else t.members[r]) if t.cuts[i, 2] else source
             if dest < 0:
                 continue
             if loss > 0.0:

@@ -70,6 +70,7 @@ class JobState:
     world: int
     slots: int
     max_datagram: int = P.MAX_DATAGRAM
+    multicast: tuple | None = None     # (group, port) that results go to, instead of to each member
     block_size: int = 0
     members: dict[int, Member] = field(default_factory=dict)
 
@@ -80,7 +81,8 @@ class JobState:
     def allocate(self, block_size: int, counters: np.ndarray) -> None:
         """(Re)initialise the slot registers for a new set of workers (counting on in `counters`)."""
         self.block_size = block_size
-        self.table = AK.slot_table(self.job, self.world, self.slots, block_size, self.max_datagram, counters)
+        group = -1 if self.multicast is None else T.address_key(self.multicast)
+        self.table = AK.slot_table(self.job, self.world, self.slots, block_size, self.max_datagram, counters, group)
         self.regs, self.acc, self.shadow = self.table.regs, self.table.acc, self.table.shadow
 
     def __getattr__(self, name: str):
@@ -94,12 +96,14 @@ class AggregatorMachine:
     """Serves one job: `world` workers, `slots` aggregation slots of up to `max_block_size` values each."""
 
     def __init__(self, job: int, world: int, slots: int = 2048, max_block_size: int = 4096,
-                 max_datagram: int = P.MAX_DATAGRAM):
+                 max_datagram: int = P.MAX_DATAGRAM, multicast: tuple | None = None):
+        """multicast: (group address, port): the RESULTs of completed rounds go there once, for every
+        member, instead of to each (JOIN_ACK says so with FEATURE_MULTICAST)."""
         if not 1 <= world <= P.MAX_WORLD:
             raise ValueError(f"world size must be 1..{P.MAX_WORLD}, got {world}")
         if not 1 <= slots <= 0xFFFF:
             raise ValueError(f"slots must be 1..65535, got {slots}")
-        self.state = JobState(job, world, slots, max_datagram)
+        self.state = JobState(job, world, slots, max_datagram, multicast)
         self.max_block_size = max_block_size
         self.max_datagram = max_datagram
         self.counters = Counters()
@@ -182,7 +186,8 @@ class AggregatorMachine:
         s.members[rank] = Member(source, nonce)
         self._addresses()
         self.count("joins")
-        header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, P.FEATURE_LEAVE, s.block_size, 0)
+        features = P.FEATURE_LEAVE | (P.FEATURE_MULTICAST if s.multicast else 0)
+        header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, features, s.block_size, 0)
         return [([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap)))]
 
     def _addresses(self) -> None:
@@ -216,7 +221,8 @@ class AggregatorMachine:
             return []
         t.state[AK.NCUTS] = 0
         view = memoryview(t.wire)
-        everyone = [m.address for _, m in sorted(self.state.members.items())]
+        everyone = ([self.state.multicast] if self.state.multicast else
+                    [m.address for _, m in sorted(self.state.members.items())])
         return [(everyone if to_all else [source], view[a:b]) for a, b, to_all in t.cuts[:n].tolist()]
 
 

@@ -50,8 +50,10 @@ class AggregatorService:
     def __init__(self, slots: int = 8192, *, max_jobs: int = 16, min_job_slots: int = 64,
                  max_job_slots: int = 2048, job_idle: float = 0.0, declared: dict[int, int] | None = None,
                  max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM,
-                 key: bytes | dict[int, bytes] | None = None):
-        """key: one secret for every job, or {job: secret} (jobs without one are then not admitted)."""
+                 key: bytes | dict[int, bytes] | None = None, multicast: tuple | None = None):
+        """key: one secret for every job, or {job: secret} (jobs without one are then not admitted).
+        multicast: (group, port) that every job's results go to (AggregatorMachine)."""
+        self.multicast = multicast
         if not 1 <= min_job_slots <= max_job_slots <= 0xFFFF:
             raise ValueError(f"need 1 <= min_job_slots <= max_job_slots <= 65535, got {min_job_slots} "
                              f"and {max_job_slots}")
@@ -197,7 +199,7 @@ class AggregatorService:
             body = P.REFUSED_BODY.pack(P.REFUSED_FULL, len(self.jobs), self.slots_in_use, self.slots)
             return None, P.encode(header, body=body)
         machine = AggregatorMachine(job_id, world, slots=quota, max_block_size=self.max_block_size,
-                                    max_datagram=self.max_datagram)
+                                    max_datagram=self.max_datagram, multicast=self.multicast)
         self.jobs[job_id] = Job(machine, quota, now)
         self.service_counters["jobs_started"] += 1
         return self.jobs[job_id], None

@@ -91,7 +91,8 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
         sync.wait(CHECKPOINT_TIMEOUT)
 
     with zerosum.Worker(rank, world, addresses, block_size=plan["block_size"], loss=plan["loss"],
-                        seed=rank, max_datagram=plan.get("max_datagram")) as w:
+                        seed=rank, max_datagram=plan.get("max_datagram"),
+                        multicast=_multicast(plan, 0)) as w:
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
             y = np.empty_like(x)
@@ -141,6 +142,11 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
 
 # -- in the bench process ----------------------------------------------------------------------------
 
+def _multicast(plan: dict, aggregator: int) -> str | None:
+    """--multicast GROUP: GROUP:48900 for every aggregator (workers tell them apart by source address)."""
+    return f"{plan['multicast']}:48900" if plan.get("multicast") else None
+
+
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
     """One world size: on loopback, or with plan["mtu"] on hosts in network namespaces (netns.star)."""
     if not plan.get("mtu"):
@@ -158,7 +164,8 @@ def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambd
 def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> dict:
     listen = plan.get("listen") or [f"127.0.0.1:{port + i if port else 0}" for i in range(aggregators)]
     aggs = [LocalAggregator(world, slots=plan["slots"], listen=listen[i], max_datagram=plan.get("max_datagram"),
-                            prefix=plan["prefixes"][i] if plan.get("prefixes") else ())
+                            prefix=plan["prefixes"][i] if plan.get("prefixes") else (),
+                            multicast=_multicast(plan, i))
             for i in range(aggregators)]
     events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
     gloo_port = 29500 if plan.get("namespaces") else _free_port()
@@ -344,7 +351,7 @@ def run_from_args(args) -> int:
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
-            "max_datagram": args.max_datagram, "mtu": args.mtu}
+            "max_datagram": args.max_datagram, "mtu": args.mtu, "multicast": args.multicast}
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
@@ -374,7 +381,8 @@ def run_from_args(args) -> int:
         console.print(f"datagram I/O: {detect(s).describe()}; largest datagram "
                       f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}"
                       + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}" if plan.get("mtu") else
-                         "; loopback"))
+                         "; loopback")
+                      + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
     for run in results["runs"]:
         for r in run["rows"]:
             if r.get("floor_s"):

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--key-file", metavar="FILE",
                    help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY), or a JSON object "
                         "of per-job secrets {\"JOB\": \"secret\"}: only JOINs with its HMAC are admitted")
+    a.add_argument("--multicast", default=None, metavar="GROUP:PORT",
+                   help="send the results of completed rounds once to this IP multicast group instead of to "
+                        "each worker (workers: Worker(multicast=...), ZEROSUM_MULTICAST); TTL 0 on loopback")
     a.add_argument("--max-datagram", type=_positive_int, default=P.MAX_DATAGRAM, metavar="BYTES",
                    help="largest datagram sent (default 65507); MTU - 28 keeps results from being "
                         "IP-fragmented (lost fragments fill the workers' reassembly memory)")
@@ -84,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--mtu", type=_positive_int, default=None, metavar="BYTES",
                        help="run every worker and aggregator on a host of its own (network namespaces, "
                             "veth links of this MTU, unshaped; needs root), gloo on the same links")
+        b.add_argument("--multicast", default=None, metavar="GROUP",
+                       help="the aggregator sends results once to this IP multicast group (e.g. 239.255.77.1), "
+                            "which the workers join, instead of once to each worker")
         b.add_argument("--floor", action="store_true",
                        help="also run the sockets-only star (the floor: moving the same datagrams, no "
                             "arithmetic, no loss recovery) and show ZeroSum's time against it")
@@ -201,7 +207,7 @@ def _aggregator(args) -> int:
     server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
                               max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
                               max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key,
-                              declared=declared, max_datagram=args.max_datagram)
+                              declared=declared, max_datagram=args.max_datagram, multicast=args.multicast)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address

@@ -627,9 +627,9 @@ def queue_cuts(fd, tx, st, nd, keys, loss):
 
 
 @njit(**JIT)
-def drive(fd, rx, tx, st, keys, loss, room, n, i, off):
+def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
     """The worker's driver loop, from datagram (i, off) of the received batch rx[:n] on: apply what
-    arrives, send the next rounds of the columns that are ready (after each batch, so that a worker that
+    arrives (on socket fd, and on the multicast group's socket `group` unless it is -1), send the next rounds of the columns that are ready (after each batch, so that a worker that
     fell behind answers with fewer, fuller datagrams), wait on the socket until the machine's timer.
     Returns (outcome, n, i, off) where Python must step in: DONE, TIMER (poll: retransmissions or the
     timeout), PROBE (a datagram arrived from an aggregator with a probe out: i[I_EVENT_AGG]; the batch
@@ -640,7 +640,7 @@ def drive(fd, rx, tx, st, keys, loss, room, n, i, off):
     wait = 0
     while True:
         if i >= n:                     # read what is queued (or wait for it) before judging timers
-            n = T.receive(fd, rx, wait)
+            n = T.receive2(fd, group, rx, wait)
             i = 0
             off = 0
         now = T.monotonic(rx.clock)

@@ -65,7 +65,7 @@ class LocalAggregator:
     def __init__(self, workers: int | None, *, listen: str = "127.0.0.1:0", job: int = 1,
                  slots: int | None = None, loss: float = 0.0, seed: int | None = None,
                  max_job_slots: int | None = None, job_idle: float | None = None, prefix: Sequence[str] = (),
-                 max_datagram: int | None = None):
+                 max_datagram: int | None = None, multicast: str | None = None):
         """workers and job declare a job (None: jobs only come from JOINs); with `slots` alone, the one
         job gets them all (max_job_slots caps a job's share instead). `prefix` is put before the command,
         e.g. ["ip", "netns", "exec", NS] to run it in a network namespace (the prefix must exec the
@@ -85,6 +85,8 @@ class LocalAggregator:
             cmd += ["--seed", str(seed)]
         if max_datagram is not None:
             cmd += ["--max-datagram", str(max_datagram)]
+        if multicast:
+            cmd += ["--multicast", multicast]
         self._counters: dict = {}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      preexec_fn=_die_with_parent)

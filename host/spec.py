@@ -89,6 +89,7 @@ NO_EXP = -32768         # exponent of "no data" (int16 minimum)
 INT_EXP = 0x7FFF        # exponent of raw int32 data (no scaling)
 AGGREGATOR_RANK = 0xFFFF  # `rank` of packets an aggregator sends
 FEATURE_LEAVE = 0x1     # JOIN_ACK tensor_blocks bit: the aggregator understands LEAVE (a switch sends 0)
+FEATURE_MULTICAST = 0x2  # JOIN_ACK tensor_blocks bit: RESULTs of completed rounds go to a multicast group
 JOIN_MAC_SIZE = 32      # HMAC-SHA256 body of a JOIN to an aggregator with a key
 
 MAX_WORLD = 32          # the per-slot contributor bitmap is 32 bits wide

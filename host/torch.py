@@ -18,6 +18,7 @@ environment variables:
     ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): on links slower than the
                          aggregator's, about the link's bandwidth-delay product plus what its port queues
     ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
+    ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
 
 The hook's state goes into training checkpoints (`HookState.state_dict()` / `load_state_dict()`), and
 the hook works under torch's `Join` context manager (uneven inputs). Periodic model averaging (local
@@ -529,6 +530,7 @@ def worker_from_env(store, rank: int, world_size: int):
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
                     key=os.environ.get("ZEROSUM_KEY") or None,
                     window=int(os.environ["ZEROSUM_WINDOW"]) if os.environ.get("ZEROSUM_WINDOW") else None,
+                    multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}
                        if os.environ.get("ZEROSUM_MAX_DATAGRAM") else {}))
     worker.open()

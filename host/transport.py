@@ -6,7 +6,7 @@ are libc's, made from numba kernels (`nogil`), so a driver loop can receive, pro
 of datagrams without entering Python, as QUIC stacks do (quinn-udp, quiche, msquic):
 
 - `receive(fd, rx, timeout_ms)`: poll(2) up to the timeout, then one recvmmsg(2) of up to RX_BATCH
-  datagrams with their source addresses. With UDP GRO on (Linux >= 5.0, `UDP_GRO`), one buffer may hold
+  datagrams with their source addresses (`receive2`: from two sockets, a worker's and its multicast group's). With UDP GRO on (Linux >= 5.0, `UDP_GRO`), one buffer may hold
   several datagrams of one sender, all `seg` bytes long but the last: `segments(rx, i)` walks them.
 - `queue(tx, ...)` / `send(fd, tx)`: datagrams to send are queued as (memory, length, destination,
   segment size) and go out with sendmmsg(2), up to TX_BATCH at a time. A run of equally long datagrams
@@ -110,7 +110,7 @@ class RxBatch(NamedTuple):
     length: np.ndarray    # int64 [RX_BATCH]: bytes received
     source: np.ndarray    # int64 [RX_BATCH]: the sender, ip << 16 | port
     seg: np.ndarray       # int64 [RX_BATCH]: GRO segment size, or the length when not coalesced
-    pollfd: np.ndarray    # int32 [2]: struct pollfd
+    pollfd: np.ndarray    # int32 [4]: two struct pollfd
     clock: np.ndarray     # int64 [2]: struct timespec
 
 
@@ -145,7 +145,7 @@ def rx_batch() -> RxBatch:
     rx = RxBatch(np.zeros((RX_BATCH, RX_CAPACITY), np.uint8), np.zeros((RX_BATCH, 8), np.uint64),
                  np.zeros((RX_BATCH, 16), np.uint8), np.zeros((RX_BATCH, 4), np.uint64),
                  np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64),
-                 np.zeros(2, np.int32), np.zeros(2, np.int64))
+                 np.zeros(4, np.int32), np.zeros(2, np.int64))
     iov = np.zeros((RX_BATCH, 2), np.uint64)
     for i in range(RX_BATCH):
         iov[i] = (rx.buf[i].ctypes.data, RX_CAPACITY)
@@ -191,16 +191,27 @@ def receive(fd, rx, timeout_ms):
     """Up to RX_BATCH datagrams (or GRO buffers) into rx; waits up to timeout_ms (0: not at all, -1:
     forever) for the first. Returns how many (0 on timeout or error: ICMP errors are reported once and
     cleared by the call, so the next call goes on)."""
-    if timeout_ms != 0 and not _wait(rx.pollfd, fd, POLLIN, timeout_ms):
-        return 0
+    return receive2(fd, -1, rx, timeout_ms)
+
+
+@njit(**JIT)
+def receive2(fd, fd2, rx, timeout_ms):
+    """receive() from two sockets (fd2 -1: none), e.g. a worker's own and the multicast group's."""
+    if timeout_ms != 0:
+        rx.pollfd[0] = fd
+        rx.pollfd[1] = POLLIN
+        rx.pollfd[2] = fd2
+        rx.pollfd[3] = POLLIN
+        if _poll(rx.pollfd.ctypes.data, 1 if fd2 < 0 else 2, timeout_ms) <= 0:
+            return 0
     n = rx.hdrs.shape[0]
     for i in range(n):
         rx.hdrs[i, 1] = 16              # msg_namelen
         rx.hdrs[i, 5] = 32              # msg_controllen
         rx.ctrl[i, 0] = 0
-    got = _recvmmsg(fd, rx.hdrs.ctypes.data, n, MSG_DONTWAIT, 0)
-    if got <= 0:
-        return 0
+    got = max(0, _recvmmsg(fd, rx.hdrs.ctypes.data, n, MSG_DONTWAIT, 0))
+    if fd2 >= 0 and got < n:
+        got += max(0, _recvmmsg(fd2, rx.hdrs.ctypes.data + got * 64, n - got, MSG_DONTWAIT, 0))
     for i in range(got):
         # (rows indexed in place throughout: a row view costs atomic reference count updates)
         length = np.int64(rx.hdrs[i, 7] & np.uint64(0xFFFFFFFF))    # msg_len
@@ -406,6 +417,39 @@ def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
         except OSError:
             pass
     return Features(batched, have_gso, have_gro)
+
+
+def multicast_receiver(group: tuple[str, int], interface: str, rcvbuf: int) -> socket.socket:
+    """A socket that receives what is sent to the multicast `group` (address, port) through the interface
+    with address `interface` (its GRO turned on where the kernel has it)."""
+    import struct as _struct
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.bind(group)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                     _struct.pack("4s4s", socket.inet_aton(group[0]), socket.inet_aton(interface)))
+        detect(s)
+    except OSError as e:
+        s.close()
+        raise OSError(e.errno, f"cannot receive multicast group {group[0]}:{group[1]} on {interface}: "
+                               f"{e.strerror}") from None
+    return s
+
+
+def multicast_sender(sock: socket.socket, interface: str) -> None:
+    """Send `sock`'s multicast through the interface with that address (0.0.0.0: the route's); on
+    loopback with TTL 0, so that nothing leaves the host (Linux drops TTL-0 multicast after its local
+    copy), elsewhere TTL 1 (the link)."""
+    if interface != "0.0.0.0":
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 0 if interface.startswith("127.") else 1)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+
+
+def is_multicast(address: str) -> bool:
+    return 224 <= int(address.split(".")[0]) <= 239
 
 
 def path_mtu(address: tuple[str, int]) -> int | None:

@@ -99,7 +99,7 @@ def _warm_up_transport(B: int) -> None:
             while time.monotonic() < end:
                 if collect:
                     m.grow(64)
-                outcome, n, i, off = K.drive(w.fileno(), rx_w, tx_w, m.st, keys, 0.0, sink.count[1] + 64
+                outcome, n, i, off = K.drive(w.fileno(), -1, rx_w, tx_w, m.st, keys, 0.0, sink.count[1] + 64
                                              if collect else 0, n, i, off)
                 if outcome == K.DONE:
                     break

@@ -52,6 +52,8 @@ class Worker:
     max_datagram: the largest datagram sent (UDP payload bytes); by default the path MTU to the
         aggregators less 28 bytes of headers (1,472 for MTU 1,500, 65,507 on loopback), so that no
         datagram is IP-fragmented. With UDP GSO a run of them costs one system call.
+    multicast: "GROUP:PORT", the IP multicast group an aggregator started with --multicast sends the
+        results to (once for every worker, instead of once per worker); this worker joins it.
     window: bytes in flight at most (docs/protocol.md, R-L6): the entries of at most window / (16 +
         4 * block_size) columns are out at once, and so are their results, which is what the link to
         this worker must queue. None (the default): every column at once, as fast as the socket takes
@@ -63,7 +65,7 @@ class Worker:
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int | None = None,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
-                 window: int | None = None):
+                 window: int | None = None, multicast: str | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -102,6 +104,12 @@ class Worker:
         if seed is not None:
             T.seed_loss(seed)      # the compiled driver's simulated loss
         self.bind = parse_address(bind, 0)
+        self.multicast = None
+        if multicast:
+            self.multicast = parse_address(multicast)
+            if not T.is_multicast(self.multicast[0]):
+                raise ValueError(f"multicast={multicast!r}: {self.multicast[0]} is not an IPv4 multicast address")
+        self._group = None      # the socket that receives the multicast group
         self.stats = WorkerStats()
         self.sock: socket.socket | None = None
         self.slots = 0
@@ -133,6 +141,15 @@ class Worker:
         # (max_entries 1) may read raw frames (bmv2, the emulator's ports), where a GSO run crosses a
         # veth link uncut, as one oversized frame, instead of as datagrams
         self._tx = T.tx_queue(self._features.gso and not self.loss.rate and self.config.max_entries > 1)
+        if self.multicast:
+            if not self._features.batched:
+                self.close()
+                raise ZeroSumError("multicast results need batched I/O (Linux, ZEROSUM_IO other than plain)")
+            # through the interface that reaches the first aggregator
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(self.aggregators[0])
+                interface = probe.getsockname()[0]
+            self._group = T.multicast_receiver(self.multicast, interface, 16 << 20)
         # One buffer per datagram of a batch: a batch's datagrams are parsed in place, then merged.
         self._buf = bytearray(P.MAX_DATAGRAM + 1)
         self._view = memoryview(self._buf)
@@ -149,6 +166,9 @@ class Worker:
             self.sock.close()
             self.sock = None
             self._leave = None
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     # -- I/O helpers --------------------------------------------------------------------------------
     def _send_all(self, datagrams) -> None:
@@ -205,6 +225,11 @@ class Worker:
                                  f"{address} in its membership table)") from None
         self.slots = m.slots
         self._leave = m.leave()
+        sends = [self.aggregator_names[a] for a, f in enumerate(m.features) if f & P.FEATURE_MULTICAST]
+        if sends and self._group is None:
+            raise ZeroSumError(f"aggregator {', '.join(sends)} sends results to an IP multicast group: give "
+                               "this worker the group it was started with (Worker(multicast='GROUP:PORT'), "
+                               "ZEROSUM_MULTICAST)")
         # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
 
     # -- allreduce ----------------------------------------------------------------------------------
@@ -364,7 +389,8 @@ class Worker:
             if m.output.collect:
                 m.grow(T.RX_BATCH * self._rows_per_buffer(m))
                 room = m.output.capacity
-            outcome, n, i, off = K.drive(fd, rx, tx, m.st, keys, self.loss.rate, room, n, i, off)
+            outcome, n, i, off = K.drive(fd, self._group.fileno() if self._group is not None else -1, rx, tx,
+                                         m.st, keys, self.loss.rate, room, n, i, off)
             if outcome == K.DONE:
                 return
             now = time.monotonic()

@@ -174,3 +174,31 @@ def test_bench_on_veth_links_of_mtu_1500_sums_exactly(tmp_path):
     rows = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["rows"]
     assert [r["density"] for r in rows] == [1.0, 0.05]
     assert all(r["retransmitted_entries"] == 0 for r in rows)
+
+
+def test_results_by_multicast_are_exact_and_a_worker_without_the_group_is_told():
+    """An aggregator with --multicast sends each result once to the group (TTL 0 on loopback: nothing
+    leaves the host), which the workers joined: sums bit-identical to the reference; a worker that was not
+    given the group fails at once with what to do, not with a timeout."""
+    from zerosum.udp import free_port
+    import zerosum
+    group = f"239.255.77.1:{free_port(socket.SOCK_DGRAM)}"
+    agg = Aggregator(4, multicast=group)
+    try:
+        res = run_workers(4, [agg.address], [21, 22], 300_001, 0.3, multicast=group)
+        check(res, 4, [21, 22], 300_001, 0.3)
+    finally:
+        agg.stop()
+    agg = Aggregator(1, multicast=group)
+    try:
+        with pytest.raises(zerosum.ZeroSumError, match="sends results to an IP multicast group"):
+            with zerosum.Worker(0, 1, [agg.address], timeout=10):
+                pass
+    finally:
+        agg.stop()
+
+
+def test_multicast_needs_a_multicast_address():
+    import zerosum
+    with pytest.raises(ValueError, match="not an IPv4 multicast address"):
+        zerosum.Worker(0, 1, ["127.0.0.1:9"], multicast="10.0.0.1:5000")
