@@ -141,23 +141,26 @@ class Worker:
         # (max_entries 1) may read raw frames (bmv2, the emulator's ports), where a GSO run crosses a
         # veth link uncut, as one oversized frame, instead of as datagrams
         self._tx = T.tx_queue(self._features.gso and not self.loss.rate and self.config.max_entries > 1)
-        if self.multicast:
-            if not self._features.batched:
-                self.close()
-                raise ZeroSumError("multicast results need batched I/O (Linux, ZEROSUM_IO other than plain)")
-            # through the interface that reaches the first aggregator
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect(self.aggregators[0])
-                interface = probe.getsockname()[0]
-            self._group = T.multicast_receiver(self.multicast, interface, 16 << 20)
         # One buffer per datagram of a batch: a batch's datagrams are parsed in place, then merged.
         self._buf = bytearray(P.MAX_DATAGRAM + 1)
         self._view = memoryview(self._buf)
         try:
+            if self.multicast:
+                self._join_group()
             self._join()
         except BaseException:
             self.close()
             raise
+
+    def _join_group(self) -> None:
+        """Receive the multicast group the aggregators send results to, through the interface that
+        reaches the first aggregator."""
+        if not self._features.batched:
+            raise ZeroSumError("multicast results need batched I/O (Linux, ZEROSUM_IO other than plain)")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(self.aggregators[0])
+            interface = probe.getsockname()[0]
+        self._group = T.multicast_receiver(self.multicast, interface, 16 << 20)
 
     def close(self) -> None:
         if self.sock is not None:
