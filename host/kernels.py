@@ -261,6 +261,23 @@ VIOLATION_NO_DATA, VIOLATION_EXPONENT, VIOLATION_DTYPE, VIOLATION_SKIP = 1, 2, 3
 
 
 @njit(**JIT)
+def _violation(seq, mine_pos, col_stop, c, agreed_exp, is_int, has, block, nxt, exp, nexp):
+    """R-L4: what is wrong with a RESULT for column c's current round `block` (APPLIED: nothing): data
+    missing for a block this worker sent, data under another exponent than agreed, the other dtype's
+    exponent for the next round, or a next round that skips a block this worker still has."""
+    sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
+    if sent_data and not has:
+        return VIOLATION_NO_DATA
+    if has and exp != agreed_exp:
+        return VIOLATION_EXPONENT
+    if nxt != END and (nexp == INT_EXP) != is_int:
+        return VIOLATION_DTYPE
+    if nxt > _mine(seq, mine_pos, col_stop, c, 1 if sent_data else 0):
+        return VIOLATION_SKIP
+    return APPLIED
+
+
+@njit(**JIT)
 def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, is_int, precision, divisor,
                    round_block, round_exp, mine_pos, col_stop, seq, ready, deadline, rto, sent_at,
                    waiting_for, status_seen, base_rto, max_rto, now, out_values, out_n, collect,
@@ -272,7 +289,7 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     in out_blocks; counts[1] rows used), advance the column and mark it ready (counts[2] counts columns
     that reached END); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
-    violation (VIOLATION_*, the datagram is not applied further), or -DROP_* when malformed.
+    violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
     """
     B = hdr[5]
     reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS)
@@ -280,6 +297,15 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
         reason = check_slots(b, nent, slots_used, seen, stamp)
     if reason != OK:
         return -reason, -1.0, 0
+    if ptype == P.RESULT:
+        # R-L4, for every entry before any is applied: a violating datagram changes nothing
+        for i in range(nent):
+            slot, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
+            c = slot * aggregators + aggregator
+            if block == round_block[c]:
+                code = _violation(seq, mine_pos, col_stop, c, round_exp[c], is_int, has, block, nxt, exp, nexp)
+                if code != APPLIED:
+                    return code, -1.0, block
     rtt = -1.0
     row = 0
     data0 = HDR + nent * ENT
@@ -300,14 +326,7 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
         if block != round_block[c]:
             counts[0] += 1
             continue
-        mine = _mine(seq, mine_pos, col_stop, c, 0)
-        sent_data = mine == block
-        if sent_data and not has:
-            return VIOLATION_NO_DATA, rtt, block
-        if has and exp != round_exp[c]:
-            return VIOLATION_EXPONENT, rtt, block
-        if nxt != END and (nexp == INT_EXP) != is_int:
-            return VIOLATION_DTYPE, rtt, block
+        sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
         if has:
             words = b[at: at + B * 4].view(np.uint32)
             if collect:
@@ -324,8 +343,6 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
                 _store_floats(words, limit - dst, exp - precision, divisor, out_values, dst)
         if sent_data:
             mine_pos[c] += 1
-        if nxt > _mine(seq, mine_pos, col_stop, c, 0):
-            return VIOLATION_SKIP, rtt, block
         round_block[c] = nxt
         round_exp[c] = nexp
         if not math.isnan(sent_at[c]):

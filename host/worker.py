@@ -17,7 +17,6 @@ from .errors import ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
 from . import kernels as K
 from . import transport as T
-from .errors import ProtocolViolation
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
 from .warmup import warm_up
@@ -400,7 +399,7 @@ class Worker:
             if outcome == K.PROBE:
                 m.probe_answered(int(m.st.i[K.I_EVENT_AGG]), now)
             elif outcome == K.VIOLATION:
-                raise ProtocolViolation(m.violation(int(m.st.i[K.I_VIOLATION]), int(m.st.i[K.I_EVENT_AGG])))
+                m.fail(int(m.st.i[K.I_VIOLATION]), int(m.st.i[K.I_EVENT_AGG]))      # R-L4: raises
             elif outcome == K.TIMER:
                 self._send_all(m.poll(now))   # retransmissions (rare: Python's sends will do)
 

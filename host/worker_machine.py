@@ -202,6 +202,7 @@ class AllreduceMachine:
         self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
         self.probes = 0
         self.retransmitted = 0
+        self.failed: str | None = None    # a protocol violation ended this allreduce (R-L4)
 
     # -- the record's scalars, by name ----------------------------------------------------------------
     round_block = property(lambda self: self.st.round_block)
@@ -264,6 +265,7 @@ class AllreduceMachine:
     def datagrams_to_send(self, now: float) -> list[tuple[int, memoryview]]:
         """The next round of every column that got its result since the last call, then any
         retransmissions that are due. Raises ZeroSumTimeout when progress stopped."""
+        self._check_failed()
         out = self.flush(now)
         if not out and not self.done and now >= self.timer():
             out = self.poll(now)
@@ -338,11 +340,12 @@ class AllreduceMachine:
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
+        self._check_failed()
         if self.output.collect:
             self.grow(self._max_rows)
         code = K.receive_one(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now)
         if code > 0:
-            raise ProtocolViolation(self.violation(code, aggregator))     # R-L4
+            self.fail(code, aggregator)
         if code == K.PROBE_OUT:
             self.probe_answered(aggregator, now)
 
@@ -362,6 +365,16 @@ class AllreduceMachine:
         return self.output.blocks if self.output.collect else self._no_blocks
 
     _no_blocks = np.zeros(0, np.int64)
+
+    def fail(self, code: int, aggregator: int) -> None:
+        """A protocol violation (R-L4) in a datagram from `aggregator`: none of its entries was applied,
+        and the allreduce is over: raise now and at every later call."""
+        self.failed = self.violation(code, aggregator)
+        raise ProtocolViolation(self.failed)
+
+    def _check_failed(self) -> None:
+        if self.failed is not None:
+            raise ProtocolViolation(f"this allreduce failed earlier: {self.failed}")
 
     def violation(self, code: int, aggregator: int) -> str:
         block = int(self.st.i[K.I_BAD_BLOCK])

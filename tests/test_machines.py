@@ -236,3 +236,39 @@ def test_worker_times_out_naming_the_missing_rank():
                 for dest, reply in agg.receive(d, ("w", 0)) + agg.flush():
                     m.receive(0, bytes(reply), t)
     assert t >= 1.0
+
+
+def test_a_violating_result_changes_nothing_and_fails_the_allreduce():
+    """R-L4: a RESULT whose second entry breaks a rule (its data under another exponent than agreed) is
+    not applied at all, not even its valid first entry, and the machine stays failed."""
+    from zerosum import protocol as P
+    from zerosum.blocks import BlockSource, DenseResult
+    from zerosum.errors import ProtocolViolation
+    from zerosum.layout import Layout
+    from zerosum.worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
+    agg = AggregatorMachine(1, 1, slots=2)
+    cfg = WorkerConfig(rank=0, world=1, job=1, block_size=4)
+    join = JoinMachine(cfg, 1, 1, 0.0)
+    for _, d in join.datagrams_to_send(0.0):
+        for _, ack in agg.receive(d, "w"):
+            join.receive(0, bytes(ack), 0.0)
+    x = np.arange(1, 17, dtype=np.float32)            # 4 blocks over 2 columns, all non-zero
+    out = np.zeros(16, np.float32)
+    m = AllreduceMachine(cfg, 1, BlockSource.dense(x, 4), Layout(1, join.slots, 4), DenseResult(out))
+    for _, d in m.start(0.0):                           # the bootstrap round, answered
+        for _, r in agg.receive(bytes(d), "w") + agg.flush():
+            m.receive(0, bytes(r), 0.0)
+    assert list(m.round_block) == [0, 1]
+    before = [m.st.round_block.copy(), m.st.mine_pos.copy(), m.st.ready.copy()]
+    e = P.entries_array(2)
+    e[0] = (0, P.HAS_DATA, 0, 2, m.st.round_exp[0], m.st.seq_exp[2])       # right
+    e[1] = (1, P.HAS_DATA, 1, 3, m.st.round_exp[1] + 1, m.st.seq_exp[3])   # wrong exponent
+    bad = P.encode(P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 1, 1, 4, 4, 2), e, np.ones((2, 4), np.int32))
+    with pytest.raises(ProtocolViolation, match="exponent"):
+        m.receive(0, bad, 0.1)
+    assert all(np.array_equal(a, b) for a, b in zip(before, [m.st.round_block, m.st.mine_pos, m.st.ready]))
+    assert not out.any()                                # entry 0's sum was not stored either
+    with pytest.raises(ProtocolViolation, match="failed earlier"):
+        m.datagrams_to_send(0.2)
+    with pytest.raises(ProtocolViolation, match="failed earlier"):
+        m.receive(0, bad, 0.2)
