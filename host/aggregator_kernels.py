@@ -234,7 +234,8 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
                 put_entry(out, e, s, 0, regs[s, SLOT_BLOCK], regs[s, BITMAP], NO_EXP, NO_EXP)
             else:
                 has = regs[s, PREV_HAS_DATA] != 0
-                put_entry(out, e, s, HAS_DATA if has else 0, regs[s, PREV_BLOCK], regs[s, PREV_NEXT], regs[s, PREV_EXP],
+                put_entry(out, e, s, HAS_DATA if has else 0, regs[s, PREV_BLOCK], regs[s, PREV_NEXT],
+                          regs[s, PREV_EXP],
                           regs[s, PREV_NEXT_EXP])
                 if has:
                     for v in range(B):

@@ -342,7 +342,8 @@ def run_from_args(args) -> int:
     if args.mtu:
         from .netns import available
         if available():
-            raise ValueError(f"--mtu runs workers and aggregators on hosts in network namespaces: it {available()}")
+            raise ValueError("--mtu runs workers and aggregators on hosts in network namespaces: it "
+                             f"{available()}")
     if any(w > MAX_WORLD for w in args.workers):
         raise ValueError(f"--workers must be at most {MAX_WORLD}, got {max(args.workers)}")
     if args.warmup < 0:
@@ -380,8 +381,8 @@ def run_from_args(args) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         console.print(f"datagram I/O: {detect(s).describe()}; largest datagram "
                       f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}"
-                      + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}" if plan.get("mtu") else
-                         "; loopback")
+                      + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}"
+                         if plan.get("mtu") else "; loopback")
                       + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
     for run in results["runs"]:
         for r in run["rows"]:

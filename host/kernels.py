@@ -27,8 +27,8 @@ from numba import njit
 from . import protocol as P
 from . import transport as T
 
-from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, VERSION,  # noqa: F401
-                   AGGREGATOR_RANK, BOOT, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,
+from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
+                   H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,
                    check_entries, check_slots, copy_swapped as _copy_swapped, get16, get32,
                    put_entry, put_header, read_entry, swap32 as _swap)
 

@@ -6,8 +6,9 @@ are libc's, made from numba kernels (`nogil`), so a driver loop can receive, pro
 of datagrams without entering Python, as QUIC stacks do (quinn-udp, quiche, msquic):
 
 - `receive(fd, rx, timeout_ms)`: poll(2) up to the timeout, then one recvmmsg(2) of up to RX_BATCH
-  datagrams with their source addresses (`receive2`: from two sockets, a worker's and its multicast group's). With UDP GRO on (Linux >= 5.0, `UDP_GRO`), one buffer may hold
-  several datagrams of one sender, all `seg` bytes long but the last: `segments(rx, i)` walks them.
+  datagrams with their source addresses (`receive2`: from two sockets, a worker's and its multicast
+  group's). With UDP GRO on (Linux >= 5.0, `UDP_GRO`), one buffer may hold several datagrams of one
+  sender, all rx.seg[i] bytes long but the last: the drivers walk buffer i in steps of rx.seg[i].
 - `queue(tx, ...)` / `send(fd, tx)`: datagrams to send are queued as (memory, length, destination,
   segment size) and go out with sendmmsg(2), up to TX_BATCH at a time. A run of equally long datagrams
   to one destination that lie back to back in memory goes out as one GSO message (`UDP_SEGMENT`, Linux
@@ -218,7 +219,8 @@ def receive2(fd, fd2, rx, timeout_ms):
         rx.length[i] = length
         nm = rx.names
         port = (np.int64(nm[i, 2]) << 8) | np.int64(nm[i, 3])
-        ip = (np.int64(nm[i, 4]) << 24) | (np.int64(nm[i, 5]) << 16) | (np.int64(nm[i, 6]) << 8) | np.int64(nm[i, 7])
+        ip = ((np.int64(nm[i, 4]) << 24) | (np.int64(nm[i, 5]) << 16) | (np.int64(nm[i, 6]) << 8)
+              | np.int64(nm[i, 7]))
         rx.source[i] = (ip << 16) | port
         seg = length
         if rx.hdrs[i, 5] >= 20:         # a control message came back: the GRO segment size

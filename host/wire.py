@@ -18,7 +18,8 @@ ENT = spec.ENTRY_HEADER.size
 _H, _E = spec.PACKET_HEADER.offset, spec.ENTRY_HEADER.offset
 # packet header
 H_VERSION, H_TYPE, H_JOB, H_RANK, H_WORLD = _H("version"), _H("type"), _H("job"), _H("rank"), _H("world")
-H_EPOCH, H_TENSOR_BLOCKS, H_BLOCK_SIZE, H_ENTRIES = _H("epoch"), _H("tensor_blocks"), _H("block_size"), _H("entries")
+H_EPOCH, H_TENSOR_BLOCKS = _H("epoch"), _H("tensor_blocks")
+H_BLOCK_SIZE, H_ENTRIES = _H("block_size"), _H("entries")
 # entry header
 E_SLOT, E_FLAGS, E_BLOCK, E_NEXT, E_EXP, E_NEXT_EXP = (_E(n) for n in spec.ENTRY_HEADER.names)
 
