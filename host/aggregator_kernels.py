@@ -45,7 +45,7 @@ C_STALE, C_MISMATCH = _C["drop_stale"], _C["drop_mismatch"]
 REASON_COUNTER = np.array([-1] + [_C[name] for name in DROP_REASONS[1:]], np.int64)
 
 # state[] of a SlotTable
-STAMP, PENDING_ROUNDS, PENDING_EPOCH, PENDING_TENSOR_BLOCKS, USED, NCUTS, HEARD = range(7)
+STAMP, PENDING_EPOCH, PENDING_TENSOR_BLOCKS, USED, NCUTS, HEARD = range(6)
 # counts[] of contribute: completed slots listed in `done`, duplicates, retransmissions, stale,
 # mismatched, completed rounds
 DONE, DUPS, RETX, STALE, MISMATCH, ROUNDS = range(6)
@@ -62,7 +62,7 @@ class SlotTable(NamedTuple):
     done: np.ndarray        # int64 [slots]: slots completed since the last flush
     replies: np.ndarray     # int64 [2, slots]: this datagram's duplicates and retransmissions
     counts: np.ndarray      # int64 [6]: see DONE ... ROUNDS
-    state: np.ndarray       # int64 [7]: see STAMP ... HEARD
+    state: np.ndarray       # int64 [6]: see STAMP ... HEARD
     wire: np.ndarray        # uint8: datagrams to send
     cuts: np.ndarray        # int64 [n, 3]: (start, end, to every member 1 / to the sender 0) in wire
     accept: np.ndarray      # int64 [MAX_WORLD]: address key DATA of rank r is taken from, -1: none
@@ -77,7 +77,7 @@ def slot_table(job: int, world: int, slots: int, block_size: int, max_datagram: 
                      np.array([job, world, block_size, max_datagram, multicast], np.int64),
                      counters, np.zeros(slots, np.int64),
                      np.zeros(slots, np.int64), np.zeros((2, slots), np.int64), np.zeros(6, np.int64),
-                     np.zeros(7, np.int64),
+                     np.zeros(6, np.int64),
                      # two halves, each with room for one call's output: a flush of every slot and the
                      # replies to one datagram
                      np.zeros(2 * 3 * slots * per_slot, np.uint8), np.zeros((3 * slots + 3, 3), np.int64),
