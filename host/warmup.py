@@ -1,6 +1,6 @@
 """Compile (or load from numba's cache) every kernel before it is needed.
 
-The first call of a numba kernel compiles it (about 10 s for all of ZeroSum's on a cold cache, well under
+The first call of a numba kernel compiles it (about 45 s for all of ZeroSum's on a cold cache, well under
 a second from the cache, which lives beside the package). An aggregator or worker that compiled in
 the middle of its first allreduce would stall its peers into probing, so both warm up first: one tiny
 allreduce per dtype and result kind, through the pure machines in memory (no sockets).
