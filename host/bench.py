@@ -360,6 +360,10 @@ def run_from_args(args) -> int:
             console.print("[yellow]torch is not installed: running without the gloo baseline "
                           "(pip install 'zerosum[torch]')[/]")
             plan["baseline"] = False
+    # compile the kernels here once (numba's cache), not in every process the runs start at once
+    from .warmup import warm_up
+    with console.status("loading the compiled kernels (the first run compiles them: about a minute)"):
+        warm_up()
     steps_per_world = len(args.densities) * (args.warmup + args.rounds) * (2 if plan["baseline"] else 1)
     results = {"plan": plan, "aggregators": args.aggregators, "cpus": os.cpu_count(), "runs": []}
     with Progress(console=console, transient=False) as progress:

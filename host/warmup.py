@@ -3,7 +3,8 @@
 The first call of a numba kernel compiles it (about 45 s for all of ZeroSum's on a cold cache, well under
 a second from the cache, which lives beside the package). An aggregator or worker that compiled in
 the middle of its first allreduce would stall its peers into probing, so both warm up first: one tiny
-allreduce per dtype and result kind, through the pure machines in memory (no sockets).
+allreduce per dtype and result kind, through the pure machines in memory, then through the compiled
+driver loops over two loopback sockets.
 
     python -c "from zerosum.warmup import warm_up; warm_up()"   # e.g. while building an image
 """
