@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the results of completed rounds once to this IP multicast group instead of to "
                         "each worker (workers: Worker(multicast=...), ZEROSUM_MULTICAST); TTL 0 on loopback")
     a.add_argument("--max-datagram", type=_positive_int, default=P.MAX_DATAGRAM, metavar="BYTES",
-                   help="largest datagram sent (default 65507); MTU - 28 keeps results from being "
-                        "IP-fragmented (lost fragments fill the workers' reassembly memory)")
+                   help="largest datagram sent (default 65507); results to a member are also kept within "
+                        "the path MTU - 28 to it, so that none is IP-fragmented (lost fragments fill the "
+                        "workers' reassembly memory)")
     a.add_argument("--loss", type=_rate, default=0.0, help="simulated loss rate, e.g. 0.01 or 1%%")
     a.add_argument("--seed", type=int, default=None, help="seed of the simulated loss")
     a.add_argument("--stats", "--stats-interval", dest="stats", type=float, default=0.0, metavar="SECONDS",
