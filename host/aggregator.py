@@ -94,7 +94,6 @@ class AggregatorServer:
         self._tx = T.tx_queue(self.features.gso and not loss)
         self._tables_key, self._tables = None, None
         self.max_datagram = max_datagram
-        self._path_limit: dict = {}
         self._backlog = 0
         self._sent = 0
 
@@ -193,12 +192,8 @@ class AggregatorServer:
     def _fit_path(self, machine) -> None:
         """Results to a job's members no larger than the path MTU to each of them allows (less 28 bytes
         of headers), within --max-datagram: never IP fragments (docs/protocol.md, "Fusion")."""
-        limit = self.max_datagram
-        for m in machine.state.members.values():
-            if m.address not in self._path_limit:
-                self._path_limit[m.address] = T.datagram_limit([m.address], P.MAX_DATAGRAM)
-            limit = min(limit, self._path_limit[m.address])
-        machine.table.geometry[3] = limit
+        addresses = [m.address for m in machine.state.members.values()]
+        machine.table.geometry[3] = T.datagram_limit(addresses, self.max_datagram)
 
     @property
     def datagrams_sent(self) -> int:

@@ -355,14 +355,8 @@ def _drain(t, fd, tx, source, loss):
         group = t.geometry[4]
         for r in range((1 if group >= 0 else t.members.shape[0]) if t.cuts[i, 2] else 1):
             dest = (group if group >= 0 else t.members[r]) if t.cuts[i, 2] else source
-            if dest < 0:
-                continue
-            if loss > 0.0:
-                for k in range(i, j):
-                    if np.random.random() >= loss:
-                        T.queue(fd, tx, base + starts[k], ends[k] - starts[k], dest, 0)
-            else:
-                T.queue_datagrams(fd, tx, base, starts[i:j], ends[i:j], j - i, dest)
+            if dest >= 0:
+                T.queue_datagrams(fd, tx, base, starts[i:j], ends[i:j], j - i, dest, loss)
         i = j
     t.state[NCUTS] = 0
 

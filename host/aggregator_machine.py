@@ -82,7 +82,8 @@ class JobState:
         """(Re)initialise the slot registers for a new set of workers (counting on in `counters`)."""
         self.block_size = block_size
         group = -1 if self.multicast is None else T.address_key(self.multicast)
-        self.table = AK.slot_table(self.job, self.world, self.slots, block_size, self.max_datagram, counters, group)
+        self.table = AK.slot_table(self.job, self.world, self.slots, block_size, self.max_datagram, counters,
+                                   group)
         self.regs, self.acc, self.shadow = self.table.regs, self.table.acc, self.table.shadow
 
     def __getattr__(self, name: str):
@@ -105,7 +106,6 @@ class AggregatorMachine:
             raise ValueError(f"slots must be 1..65535, got {slots}")
         self.state = JobState(job, world, slots, max_datagram, multicast)
         self.max_block_size = max_block_size
-        self.max_datagram = max_datagram
         self.counters = Counters()
         self.state.allocate(1, self.counters.array)
         self.table = self.state.table

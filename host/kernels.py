@@ -634,12 +634,7 @@ def queue_cuts(fd, tx, st, nd, keys, loss):
         while j < nd and st.cuts[j, 0] == a:
             j += 1
         st.i[I_DATAGRAMS_SENT] += j - k
-        if loss > 0.0:
-            for m in range(k, j):
-                if np.random.random() >= loss:
-                    T.queue(fd, tx, base + st.cuts[m, 1], st.cuts[m, 2] - st.cuts[m, 1], keys[a], 0)
-        else:
-            T.queue_datagrams(fd, tx, base, st.cuts[k:j, 1], st.cuts[k:j, 2], j - k, keys[a])
+        T.queue_datagrams(fd, tx, base, st.cuts[k:j, 1], st.cuts[k:j, 2], j - k, keys[a], loss)
         k = j
 
 

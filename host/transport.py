@@ -266,9 +266,15 @@ def queue(fd, tx, address, length, destination, seg):
 
 
 @njit(**JIT)
-def queue_datagrams(fd, tx, base, starts, ends, n, destination):
+def queue_datagrams(fd, tx, base, starts, ends, n, destination, loss):
     """Queue datagrams [starts[i], ends[i]) of the buffer at machine address `base` to one destination,
-    in order; with GSO on, runs of equally long datagrams that lie back to back go as one message."""
+    in order; with GSO on, runs of equally long datagrams that lie back to back go as one message.
+    With a simulated `loss` rate, each datagram is dropped with that probability, and sent alone."""
+    if loss > 0.0:
+        for k in range(n):
+            if np.random.random() >= loss:
+                queue(fd, tx, base + starts[k], ends[k] - starts[k], destination, 0)
+        return
     i = 0
     gso = tx.state[GSO_ON] != 0
     while i < n:

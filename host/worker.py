@@ -364,7 +364,7 @@ class Worker:
         received datagrams applied, ready rounds sent with sendmmsg/GSO, waits on the socket until the
         machine's timer), entering Python only for probes, retransmissions, violations and growing a
         sink; where batched I/O is not available, through the machine's Python interface."""
-        sent = m.st.i[K.I_DATAGRAMS_SENT], m.st.i[K.I_BYTES_RECEIVED], m.st.i[K.I_DATAGRAMS_RECEIVED]
+        before = m.st.i[K.I_DATAGRAMS_SENT], m.st.i[K.I_BYTES_RECEIVED], m.st.i[K.I_DATAGRAMS_RECEIVED]
         try:
             if self._features.batched:
                 self._run_compiled(m)
@@ -372,9 +372,9 @@ class Worker:
                 self._run_python(m)
         finally:
             i = m.st.i
-            self.stats.datagrams_sent += int(i[K.I_DATAGRAMS_SENT] - sent[0])
-            self.stats.bytes_received += int(i[K.I_BYTES_RECEIVED] - sent[1])
-            self.stats.datagrams_received += int(i[K.I_DATAGRAMS_RECEIVED] - sent[2])
+            self.stats.datagrams_sent += int(i[K.I_DATAGRAMS_SENT] - before[0])
+            self.stats.bytes_received += int(i[K.I_BYTES_RECEIVED] - before[1])
+            self.stats.datagrams_received += int(i[K.I_DATAGRAMS_RECEIVED] - before[2])
             self.stats.bytes_sent += m.bytes_sent
             self.stats.retransmitted_entries += m.retransmitted
             self.stats.probes += m.probes

@@ -56,7 +56,7 @@ def test_runs_of_datagrams_arrive_whole_and_in_order_with_and_without_gro(receiv
         buf, starts, ends, want = datagrams(sizes)
         tx, rx = T.tx_queue(features.gso), T.rx_batch()
         dest = T.address_key(rx_sock.getsockname())
-        T.queue_datagrams(tx_sock.fileno(), tx, buf.ctypes.data, starts, ends, len(sizes), dest)
+        T.queue_datagrams(tx_sock.fileno(), tx, buf.ctypes.data, starts, ends, len(sizes), dest, 0.0)
         assert T.send(tx_sock.fileno(), tx) == 0
         assert tx.state[T.DATAGRAMS] == len(sizes) and tx.state[T.SEND_ERRORS] == 0
         if features.gso:     # fewer messages than datagrams: runs went out as one GSO message each
