@@ -152,9 +152,9 @@ class AggregatorServer:
                 i, off = AK.serve(fd, rx, n, i, off, *tables, self._tx, self.loss.rate)
                 if i >= n:
                     break
-            # a datagram for the machines (the compiled loop applied the simulated loss already)
+            # a datagram for the machines (the compiled loop leaves these to the simulated loss here)
             size = min(int(rx.seg[i]), int(rx.length[i]) - off)
-            if tables is not None or not self.loss.drop():
+            if not self.loss.drop():
                 data = bytes(rx.buf[i, off:off + size])
                 self._send(self.service.receive(data, T.address_of(int(rx.source[i])), now))
             off += int(rx.seg[i])

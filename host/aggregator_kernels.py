@@ -389,11 +389,11 @@ def _run(t, k, fd, rx, n, i, off, job_ids, tx, loss):
         while off < length:
             size = min(seg, length - off)
             b = row[off: off + size]
+            if _job_of(b, size, job_ids) != k or not _fast(t, b, size, source):
+                return i, off               # (Python applies the simulated loss to what it takes)
             if loss > 0.0 and np.random.random() < loss:
                 off += seg
                 continue
-            if _job_of(b, size, job_ids) != k or not _fast(t, b, size, source):
-                return i, off
             _room(t, fd, tx)
             handle_data(t, b, size, get16(b, H_ENTRIES), get32(b, H_EPOCH), get32(b, H_TENSOR_BLOCKS),
                         get16(b, H_RANK))

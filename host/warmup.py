@@ -71,8 +71,9 @@ def _warm_up_transport(B: int) -> None:
     from . import aggregator_kernels as AK
     from . import kernels as K
     from . import transport as T
-    if not T.detect(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)).batched:
-        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        if not T.detect(probe).batched:
+            return
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as w:
         a.bind(("127.0.0.1", 0))
         w.bind(("127.0.0.1", 0))
