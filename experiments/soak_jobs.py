@@ -21,24 +21,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from netsim import run  # noqa: E402  (the in-memory lossy network of the test suite)
+from netsim import ServiceJob, run  # noqa: E402  (the in-memory lossy network of the test suite)
 from zerosum import protocol as P  # noqa: E402
 from zerosum.aggregator_service import AggregatorService  # noqa: E402
 from zerosum.reference import reference_allreduce  # noqa: E402
-
-
-class JobView:
-    """One job of the service as netsim drives an aggregator."""
-
-    def __init__(self, service, job, now):
-        self.service, self.job, self.now = service, job, now
-        self.state = type("State", (), {"job": job})()
-
-    def receive(self, data, source):
-        return self.service.receive(data, (self.job, source[1]), self.now)
-
-    def flush(self):
-        return self.service.flush()
 
 
 def rss_mib() -> float:
@@ -56,7 +42,7 @@ def cycle(service, rng, first_job, now) -> bool:
         world, block = int(rng.integers(1, 5)), int(rng.choice([16, 64, 256]))
         n = int(rng.integers(1, 40)) * block + int(rng.integers(0, block))
         arrays = [(rng.standard_normal(n) * (rng.random(n) < 0.3)).astype(np.float32) for _ in range(world)]
-        view = JobView(service, job, now)
+        view = ServiceJob(service, job, start=now)
         outs, machines = run(arrays, [view], block_size=block, loss=0.05, reorder=0.2, seed=job)
         ref = reference_allreduce(arrays, block)
         exact &= all(o.tobytes() == ref.tobytes() for o in outs)
@@ -66,7 +52,8 @@ def cycle(service, rng, first_job, now) -> bool:
         for rank in sorted(members):
             leave = P.encode(P.Header(P.LEAVE, job, rank, world, members[rank].nonce, 0, block))
             service.receive(leave, (job, rank), now)
-    service.expire(now + service.job_idle)
+    while service.timer() < float("inf"):      # the clock moves on until every idle job has expired
+        service.datagrams_to_send(service.timer())
     return exact
 
 

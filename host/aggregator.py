@@ -120,8 +120,7 @@ class AggregatorServer:
                 if self.features.batched:
                     self._serve_batch(n, now)
             if now >= self.service.timer():
-                for job in self.service.expire(now):
-                    log.info("job %d ended: idle for %.1f s", job, self.service.job_idle)
+                self._send(self.service.datagrams_to_send(now))
             if now >= next_stats:
                 log.info("counters: %s", self.counters_line())
                 next_stats = now + stats_interval
@@ -129,18 +128,20 @@ class AggregatorServer:
     def _receive_plain(self, buf: bytearray) -> int:
         """Without batched I/O: one datagram through the machines (Python's socket module), then the
         completed rounds once nothing more is queued."""
-        self.sock.settimeout(0.0 if self.service.completed else 0.2)
+        self.sock.settimeout(0.0 if self.service.has_output else 0.2)
         try:
             n, addr = self.sock.recvfrom_into(buf)
         except (socket.timeout, BlockingIOError, ConnectionRefusedError):
-            self._send(self.service.flush())
+            self._send(self.service.datagrams_to_send(time.monotonic()))
             return 0
         if not self.loss.drop():
-            self._send(self.service.receive(memoryview(buf)[:n], addr, time.monotonic()))
+            now = time.monotonic()
+            self.service.receive(memoryview(buf)[:n], addr, now)
+            self._send(self.service.datagrams_to_send(now, results=False))
         self._backlog += 1
-        if self._backlog >= 16:     # a busy socket is never empty: flush at least every 16 datagrams
+        if self._backlog >= 16:     # a busy socket is never empty: send at least every 16 datagrams
             self._backlog = 0
-            self._send(self.service.flush())
+            self._send(self.service.datagrams_to_send(time.monotonic()))
         return 1
 
     def _serve_batch(self, n: int, now: float) -> None:
@@ -156,16 +157,16 @@ class AggregatorServer:
             size = min(int(rx.seg[i]), int(rx.length[i]) - off)
             if not self.loss.drop():
                 data = bytes(rx.buf[i, off:off + size])
-                self._send(self.service.receive(data, T.address_of(int(rx.source[i])), now))
+                self.service.receive(data, T.address_of(int(rx.source[i])), now)
             off += int(rx.seg[i])
             if off >= rx.length[i]:
                 i, off = i + 1, 0
-        self._send(self.service.flush())
         for job in self.service.jobs.values():
             heard = job.machine.table.state
             if heard[AK.HEARD]:
                 heard[AK.HEARD] = 0
                 job.last_heard = now
+        self._send(self.service.datagrams_to_send(now))
         errors = int(self._tx.state[T.SEND_ERRORS])
         if errors:
             self._tx.state[T.SEND_ERRORS] = 0

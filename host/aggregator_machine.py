@@ -1,12 +1,13 @@
 """The aggregator's side of the protocol, as a pure state machine (no sockets, no clocks).
 
-`receive(datagram, source)` takes one datagram and the opaque address it came from and returns the
-replies to send at once as (destination addresses, datagram): JOIN_ACKs, STATUS and shadow results for
-retransmissions. Completed rounds are collected, and `flush()` returns their RESULT datagrams for all
-workers: a server calls it when its socket has nothing more queued, so that when it is busy, the rounds
-completed by many contributions go out in few, full datagrams. Returned datagrams are memoryviews into
-the machine's own buffer, valid until the call after next into the machine (so `receive(...) + flush()`
-is safe): a driver sends them at once (or copies them).
+The driver interface is the worker machine's (and h11's / aioquic's): `receive(datagram, source, now)`
+takes one datagram and the opaque address it came from; `datagrams_to_send(now)` returns what is to be
+sent as (destination addresses, datagram): the replies to what was received (JOIN_ACKs, STATUS, shadow
+results for retransmissions), then the RESULT datagrams of the rounds completed since the last call, for
+all workers; `timer()` is when the machine next needs `datagrams_to_send` without a datagram (never: a
+job's aggregation has no timers of its own, R-A*; the service's job expiry has). A server calls
+`datagrams_to_send` when its socket has nothing more queued (or once per received batch), so that when it
+is busy, the rounds completed by many contributions go out in few, full datagrams.
 
 The data path (validation, the int32 add, completion, shadow copy, RESULT and STATUS encoding) is in
 zerosum.aggregator_kernels, over the job's SlotTable; this class keeps membership and the control flow
@@ -109,69 +110,80 @@ class AggregatorMachine:
         self.counters = Counters()
         self.state.allocate(1, self.counters.array)
         self.table = self.state.table
+        self._outbox: list[tuple[list, bytes]] = []
 
     @property
-    def completed(self) -> bool:
-        """Whether rounds completed since the last flush (their results are still to be sent)."""
-        return bool(self.table.counts[AK.DONE])
+    def has_output(self) -> bool:
+        """Whether `datagrams_to_send` has something to send: replies, or results of completed rounds."""
+        return bool(self._outbox) or bool(self.table.counts[AK.DONE])
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters.add(name, n)
 
-    def _begin(self) -> None:
-        """Start a call's output in the half of the buffer the previous call did not end in."""
-        half = len(self.table.wire) // 2
-        self.table.state[AK.USED] = 0 if self.table.state[AK.USED] >= half else half
-
     TAKES = frozenset((P.JOIN, P.DATA, P.LEAVE))   # R-V3 (STATS is the service's)
 
-    def receive(self, datagram, source) -> list[tuple[list, memoryview]]:
-        """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10)."""
+    def receive(self, datagram, source, now: float) -> None:
+        """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10).
+        (`now` for the driver interface's sake: no rule of a job's aggregation depends on time.)"""
         reason, fields = P.check(datagram, self.TAKES)             # R-V1 ... R-V5
         if reason:
-            self._begin()
             self.count(reason)
-            return []
-        return self.receive_checked(datagram, fields, source)
+            return
+        self.receive_checked(datagram, fields, source)
 
-    def receive_checked(self, datagram, fields: tuple, source) -> list[tuple[list, memoryview]]:
+    def datagrams_to_send(self, now: float, *, results: bool = True) -> list[tuple[list, bytes]]:
+        """The replies queued since the last call, then the RESULTs of the rounds completed since.
+        results=False: the replies only; the completed rounds wait for a later call (a driver whose
+        socket has more queued lets them fuse with the rounds those datagrams complete)."""
+        if results:
+            self.table.state[AK.USED] = 0
+            AK.flush_results(self.table)
+            self._take(None)
+        out, self._outbox = self._outbox, []
+        return out
+
+    def timer(self) -> float:
+        return float("inf")
+
+    def receive_checked(self, datagram, fields: tuple, source) -> None:
         """A datagram that passed protocol.check (an AggregatorService checks once for all its jobs)."""
-        self._begin()
+        self.table.state[AK.USED] = 0
         _, ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = fields
         s = self.state
         if job != s.job:
             self.count("drop_foreign_job")                         # R-V7
-            return []
+            return
         if ptype == P.JOIN:
             # (a JOIN's MAC, when the aggregator has a key, was checked by the service: R-V6)
-            return self._join(rank, world, epoch, block_size, source)
+            self._join(rank, world, epoch, block_size, source)
+            return
         member = s.members.get(rank)
         if member is None or member.address != source or (      # R-V8
                 member.nonce != epoch if ptype == P.LEAVE else member.left):
             self.count("drop_not_member")
-            return []
+            return
         if ptype == P.LEAVE:
             if not member.left:
                 member.left = True                                 # R-J5
                 self.count("leaves")
                 self.table.accept[rank] = -1
-            return []
+            return
         if world != s.world or block_size != s.block_size:
             self.count("drop_geometry")                            # R-V10
-            return []
+            return
         AK.handle_data(self.table, np.frombuffer(datagram, np.uint8), len(datagram), nent, epoch,
                        tensor_blocks, rank)
-        return self._take(source)
+        self._take(source)
 
     # -- membership ---------------------------------------------------------------------------------
-    def _join(self, rank: int, world: int, nonce: int, block_size: int, source) -> list[tuple[list, bytes]]:
+    def _join(self, rank: int, world: int, nonce: int, block_size: int, source) -> None:
         s = self.state
         if world != s.world or rank >= s.world:                    # R-V9
             self.count("drop_join_world")
-            return []
+            return
         if not 1 <= block_size <= self.max_block_size:
             self.count("drop_join_block_size")
-            return []
+            return
         member = s.members.get(rank)
         if member is not None and member.nonce != nonce:
             # R-J3: a new incarnation of a registered rank: a new run of the job starts from scratch.
@@ -179,7 +191,7 @@ class AggregatorMachine:
             s.members.clear()
         if s.members and block_size != s.block_size:
             self.count("drop_join_block_size")
-            return []
+            return
         if not s.members:
             s.allocate(block_size, self.counters.array)
             self.table = s.table
@@ -188,7 +200,7 @@ class AggregatorMachine:
         self.count("joins")
         features = P.FEATURE_LEAVE | (P.FEATURE_MULTICAST if s.multicast else 0)
         header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, features, s.block_size, 0)
-        return [([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap)))]
+        self._outbox.append(([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap))))
 
     def _addresses(self) -> None:
         """The members' addresses as the compiled driver knows them (ip << 16 | port), where they are
@@ -207,23 +219,19 @@ class AggregatorMachine:
         return all(m.left for m in self.state.members.values())
 
     # -- the data path ------------------------------------------------------------------------------
-    def flush(self) -> list[tuple[list, memoryview]]:
-        """RESULT datagrams, for every worker, of the rounds completed since the last flush."""
-        self._begin()
-        AK.flush_results(self.table)
-        return self._take(None)
-
-    def _take(self, source) -> list[tuple[list, memoryview]]:
-        """The datagrams the kernels listed since the last call: to every member, or to `source`."""
+    def _take(self, source) -> None:
+        """Queue the datagrams the kernels listed since the last call: to every member, or to `source`
+        (copied: the kernels' buffer is reused by the next call)."""
         t = self.table
         n = int(t.state[AK.NCUTS])
         if not n:
-            return []
+            return
         t.state[AK.NCUTS] = 0
-        view = memoryview(t.wire)
+        wire = t.wire
         everyone = ([self.state.multicast] if self.state.multicast else
                     [m.address for _, m in sorted(self.state.members.items())])
-        return [(everyone if to_all else [source], view[a:b]) for a, b, to_all in t.cuts[:n].tolist()]
+        self._outbox += [(everyone if to_all else [source], wire[a:b].tobytes())
+                         for a, b, to_all in t.cuts[:n].tolist()]
 
 
 def _address_key(address) -> int:

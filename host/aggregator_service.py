@@ -7,7 +7,8 @@ included), at least `min_job_slots` and at most `max_job_slots`, taken from the 
 that cannot be admitted (`max_jobs` served, or fewer than `min_job_slots` free) is answered with REFUSED,
 which the workers raise as an error ("aggregator full: N jobs, M slots in use"), not a timeout. A job
 ends, and its slots return to the pool, when all its ranks have sent LEAVE or (unless it was declared)
-when it has been silent for `job_idle` seconds; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
+when it has been silent for `job_idle` seconds (ended by `datagrams_to_send(now)` once `now` reaches
+`timer()`, and logged); a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
 a dead rank, a JOIN storm) never touches another job's slots.
 
 Admission: with a `key`, a JOIN must carry HMAC-SHA256(key, its header) (else drop_auth), and a nonce
@@ -21,12 +22,16 @@ stateless rules (R-V1 ... R-V5: drop_short, drop_version, drop_type, drop_length
 drop_range, drop_exponent), admission (R-V6: drop_auth, drop_replay), datagrams for no job
 (drop_foreign_job) and JOINs whose world disagrees with their job's declaration (drop_join_world).
 The rules are checked in the order of docs/protocol.md, "Validation", as the switch checks them.
+
+The driver interface is AggregatorMachine's: `receive(datagram, source, now)`, `datagrams_to_send(now)`,
+`timer()`.
 """
 from __future__ import annotations
 
 import collections
 import hmac
 import json
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +42,7 @@ from .aggregator_machine import COUNTERS, AggregatorMachine
 # a job's traffic that its machine accepted (keeps the job from expiring)
 _DATAGRAMS, _JOINS, _LEAVES = (COUNTERS.index(name) for name in ("datagrams", "joins", "leaves"))
 REPLAY_WINDOW = 64    # nonces remembered per (job, rank) when JOINs are authenticated
+log = logging.getLogger("zerosum.aggregator")
 
 
 @dataclass
@@ -72,6 +78,7 @@ class AggregatorService:
         self._ended = np.zeros(len(COUNTERS), np.int64)     # counters of the jobs that ended
         self.service_counters = collections.Counter()
         self._drops = collections.Counter()   # counted before a job is known (R-V1 ... R-V7), send_errors
+        self._outbox: list[tuple[list, bytes]] = []   # the service's own replies (STATS, REFUSED)
 
     def count(self, name: str, n: int = 1) -> None:
         """Count an event of the transport's (send_errors)."""
@@ -83,8 +90,9 @@ class AggregatorService:
         return sum(j.slots for j in self.jobs.values())
 
     @property
-    def completed(self) -> bool:
-        return any(j.machine.completed for j in self.jobs.values())
+    def has_output(self) -> bool:
+        """Whether `datagrams_to_send` has something to send now."""
+        return bool(self._outbox) or any(j.machine.has_output for j in self.jobs.values())
 
     def job_counters(self, job: int) -> dict[str, int]:
         return dict(self.jobs[job].machine.counters) if job in self.jobs else {}
@@ -108,61 +116,65 @@ class AggregatorService:
                                     "counters": dict(j.machine.counters)} for job, j in self.jobs.items()}}
 
     # -- events -------------------------------------------------------------------------------------
-    def receive(self, datagram, source, now: float = 0.0) -> list[tuple[list, memoryview]]:
+    def receive(self, datagram, source, now: float) -> None:
         """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10): the
         stateless rules and admission here, once for all jobs, the rest by the job's machine."""
         reason, fields = P.check(datagram, P.AGGREGATOR_TAKES)     # R-V1 ... R-V5
         if reason:
             self._drops[reason] += 1
-            return []
+            return
         _, ptype, job_id, rank, world, nonce, _, block_size, _ = fields
         if ptype == P.STATS:      # a request: the counters, to the asker alone
             body = json.dumps(self.stats(), separators=(",", ":")).encode()[: P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE]
-            return [([source], P.encode(P.Header(P.STATS, 0, P.AGGREGATOR_RANK, 0), body=body))]
+            self._outbox.append(([source], P.encode(P.Header(P.STATS, 0, P.AGGREGATOR_RANK, 0), body=body)))
+            return
         if ptype == P.JOIN and self.key is not None and not self._admissible(datagram, job_id, rank, nonce):
-            return []                                               # R-V6
+            return                                                  # R-V6
         job = self.jobs.get(job_id)
         if job is None:                                             # R-V7
             if ptype != P.JOIN:
                 self._drops["drop_foreign_job"] += 1
-                return []
+                return
             job, refusal = self._admit(job_id, world, block_size, now)
             if job is None:
-                return [([source], refusal)] if refusal is not None else []
+                if refusal is not None:
+                    self._outbox.append(([source], refusal))
+                return
         counts = job.machine.counters.array
         accepted = counts[_DATAGRAMS] + counts[_JOINS] + counts[_LEAVES]   # scalars: a hot path
-        out = job.machine.receive_checked(datagram, fields, source)
+        job.machine.receive_checked(datagram, fields, source)
         if counts[_DATAGRAMS] + counts[_JOINS] + counts[_LEAVES] != accepted:
             job.last_heard = now      # only a member's traffic keeps a job alive, not drops
-
         if ptype == P.LEAVE and job.machine.idle:
             self._end(job_id)
-        return out
 
-    def flush(self) -> list[tuple[list, memoryview]]:
-        out = []
+    def datagrams_to_send(self, now: float, *, results: bool = True) -> list[tuple[list, bytes]]:
+        """End the jobs silent for job_idle seconds, then everything to send: the service's replies and
+        each job's (AggregatorMachine.datagrams_to_send, `results` as there)."""
+        if now >= self.timer():
+            self._expire(now)
+        out, self._outbox = self._outbox, []
         for job in self.jobs.values():
-            out += job.machine.flush()
+            out += job.machine.datagrams_to_send(now, results=results)
         return out
-
-    def expire(self, now: float) -> list[int]:
-        """End the jobs silent for job_idle seconds (a dead job's slots return to the pool)."""
-        if not self.job_idle:
-            return []
-        # A declared job is the operator's (like a switch's configured job): a pause in training longer
-        # than job_idle must not end it under its live workers; it ends when all its ranks LEAVE.
-        gone = [job for job, j in self.jobs.items()
-                if job not in self.declared and now - j.last_heard >= self.job_idle]
-        for job in gone:
-            self._end(job)
-        return gone
 
     def timer(self) -> float:
-        """When `expire` next has work (inf without job_idle or jobs)."""
+        """When `datagrams_to_send` next has work without a datagram: the next idle job's expiry (inf
+        without job_idle or jobs)."""
         heard = [j.last_heard for job, j in self.jobs.items() if job not in self.declared]
         if not self.job_idle or not heard:
             return float("inf")
         return min(heard) + self.job_idle
+
+    def _expire(self, now: float) -> None:
+        """End the jobs silent for job_idle seconds (a dead job's slots return to the pool)."""
+        # A declared job is the operator's (like a switch's configured job): a pause in training longer
+        # than job_idle must not end it under its live workers; it ends when all its ranks LEAVE.
+        gone = [job for job, j in self.jobs.items()
+                if job not in self.declared and now >= j.last_heard + self.job_idle]   # as timer()
+        for job in gone:
+            self._end(job)
+            log.info("job %d ended: idle for %.1f s", job, self.job_idle)
 
     # -- admission ----------------------------------------------------------------------------------
     def _admissible(self, datagram, job_id: int, rank: int, nonce: int) -> bool:
@@ -206,5 +218,6 @@ class AggregatorService:
 
     def _end(self, job_id: int) -> None:
         job = self.jobs.pop(job_id)
+        self._outbox += job.machine.datagrams_to_send(0.0)     # what it still had to say
         self._ended += job.machine.counters.array
         self.service_counters["jobs_ended"] += 1

@@ -35,7 +35,8 @@ def warm_up() -> None:
             cfg = WorkerConfig(rank=0, world=1, job=1, block_size=B, window=1 if buffer is bytes else None)
             join = JoinMachine(cfg, 1, 1, 0.0)
             for _, d in join.datagrams_to_send(0.0):
-                for _, ack in agg.receive(d, "w"):
+                agg.receive(d, "w", 0.0)
+                for _, ack in agg.datagrams_to_send(0.0):
                     join.receive(0, buffer(ack), 0.0)
             x = np.arange(1, 7, dtype=dtype)
             if collect:
@@ -50,8 +51,10 @@ def warm_up() -> None:
                 m.timer()
                 for _, d in pending:
                     d = buffer(d)
-                    replies = agg.receive(d, "w") + agg.flush()
-                    replies += agg.receive(d, "w")      # a retransmission: answered from the shadow copy
+                    agg.receive(d, "w", 0.0)
+                    replies = agg.datagrams_to_send(0.0)
+                    agg.receive(d, "w", 0.0)            # a retransmission: answered from the shadow copy
+                    replies += agg.datagrams_to_send(0.0)
                     for _, reply in replies:
                         m.receive(0, buffer(reply), 0.0)
                 pending = m.datagrams_to_send(0.0)
@@ -84,7 +87,8 @@ def _warm_up_transport(B: int) -> None:
             cfg = WorkerConfig(rank=0, world=1, job=1, block_size=B, rto=0.002, min_rto=0.001, timeout=5.0)
             join = JoinMachine(cfg, 1, 1, 0.0)
             for _, d in join.datagrams_to_send(0.0):
-                for _, ack in agg.receive(d, w.getsockname()):
+                agg.receive(d, w.getsockname(), 0.0)
+                for _, ack in agg.datagrams_to_send(0.0):
                     join.receive(0, ack, 0.0)
             tables = typed.List([agg.table])
             job_ids = np.array([1], np.int64)

@@ -21,10 +21,30 @@ def join_all(aggs: list[AggregatorMachine], world: int, block_size: int) -> int:
     for now in (0.0, 1.0):
         for r, m in enumerate(joins):
             for a, join in m.datagrams_to_send(now):
-                for dests, ack in aggs[a].receive(join, ("w", r)):
+                aggs[a].receive(join, ("w", r), now)
+                for dests, ack in aggs[a].datagrams_to_send(now):
                     m.receive(a, bytes(ack), now)
     assert all(m.done for m in joins)
     return joins[0].slots
+
+
+class ServiceJob:
+    """One job of an AggregatorService as `run` drives an aggregator machine: sources are (job, rank),
+    and the service's clock is the simulation's shifted by `start`."""
+
+    def __init__(self, service, job: int, start: float = 0.0):
+        self.service, self.job, self.start = service, job, start
+        self.state = type("State", (), {"job": job})()
+
+    def receive(self, data, source, now: float) -> None:
+        self.service.receive(data, (self.job, source[1]), self.start + now)
+
+    def datagrams_to_send(self, now: float) -> list:
+        out = self.service.datagrams_to_send(self.start + now)
+        return [(dests, d) for dests, d in out if dests[0][0] == self.job]
+
+    def timer(self) -> float:
+        return self.service.timer() - self.start
 
 
 def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0, seed=0,
@@ -89,9 +109,10 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
         i = rng.randrange(len(queue)) if rng.random() < reorder else 0
         kind, idx, src, data = queue.pop(i)
         if kind == "agg":
-            out = aggs[idx].receive(data, ("w", src))
-            if rng.random() < 0.7 or not any(q[0] == "agg" and q[1] == idx for q in queue):
-                out += aggs[idx].flush()
+            aggs[idx].receive(data, ("w", src), now)
+            # send at once or let results pile up, as a busy aggregator would
+            out = (aggs[idx].datagrams_to_send(now)
+                   if rng.random() < 0.7 or not any(q[0] == "agg" and q[1] == idx for q in queue) else [])
             for dests, reply in out:
                 for _, r in dests:
                     post("worker", r, idx, reply)

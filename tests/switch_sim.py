@@ -82,23 +82,27 @@ def configure(sw: Switch, world: int, job: int = 1, slots: int = 8, job_index: i
 
 
 class SwitchAggregator:
-    """The emulated switch behind netsim's AggregatorMachine interface (receive/flush, state.job)."""
+    """The emulated switch behind netsim's AggregatorMachine interface (receive, datagrams_to_send, timer,
+    state.job)."""
 
     def __init__(self, world: int, job: int = 1, slots: int = 8):
         self.switch = configure(Switch(), world, job, slots)
         self.state = SimpleNamespace(job=job)
         self._rank_of_ip = {ip_of(r): r for r in range(world)}
+        self._outbox = []
 
-    def receive(self, datagram, source) -> list:
+    def receive(self, datagram, source, now: float) -> None:
         _, rank = source
         f = bytes(Ether(src=mac_of(rank), dst="00:00:00:00:00:fe") / IP(src=ip_of(rank), dst=SWITCH_IP)
                   / UDP(sport=WORKER_PORT + rank, dport=P.DEFAULT_PORT, chksum=0) / Raw(bytes(datagram)))
-        out = []
         for port, data in self.switch.process(f, rank + 1):
             pkt = Ether(data)
             assert port == self._rank_of_ip[pkt[IP].dst] + 1, "a reply left on the wrong port"
-            out.append(([("w", self._rank_of_ip[pkt[IP].dst])], bytes(pkt[UDP].payload)))
+            self._outbox.append(([("w", self._rank_of_ip[pkt[IP].dst])], bytes(pkt[UDP].payload)))
+
+    def datagrams_to_send(self, now: float) -> list:
+        out, self._outbox = self._outbox, []    # a switch answers packet by packet: what it emitted
         return out
 
-    def flush(self) -> list:
-        return []   # a switch answers packet by packet
+    def timer(self) -> float:
+        return float("inf")

@@ -138,6 +138,18 @@ def test_two_aggregators_equal_one():
 
 # -- the aggregator against bad input ---------------------------------------------------------------
 
+def replies(agg, datagram, source):
+    """What the aggregator answers to `datagram` at once (the rounds it completes wait)."""
+    agg.receive(datagram, source, 0.0)
+    return agg.datagrams_to_send(0.0, results=False)
+
+
+def sent(agg, datagram, source):
+    """Everything the aggregator sends after `datagram`: replies, then completed rounds."""
+    agg.receive(datagram, source, 0.0)
+    return agg.datagrams_to_send(0.0)
+
+
 def _member_agg(world=2, B=4):
     agg = AggregatorMachine(7, world, slots=4)
     join_all([agg], world, B)
@@ -156,12 +168,12 @@ def _entry(slot, block, nxt, exp=P.NO_EXP, next_exp=P.NO_EXP, data=False):
 
 def test_aggregator_counts_and_drops_bad_input():
     agg = _member_agg()
-    assert agg.receive(b"\x00" * 7, ("w", 0)) == []
-    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1), job=8), ("w", 0)) == []
-    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("x", 9)) == []     # wrong address
-    assert agg.receive(_data(5, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 5)) == []     # not a member
-    assert agg.receive(_data(0, _entry(9, P.BOOT, 2, next_exp=1)), ("w", 0)) == []     # slot out of range
-    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1), world=3), ("w", 0)) == []
+    assert replies(agg, b"\x00" * 7, ("w", 0)) == []
+    assert replies(agg, _data(0, _entry(0, P.BOOT, 2, next_exp=1), job=8), ("w", 0)) == []
+    assert replies(agg, _data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("x", 9)) == []     # wrong address
+    assert replies(agg, _data(5, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 5)) == []     # not a member
+    assert replies(agg, _data(0, _entry(9, P.BOOT, 2, next_exp=1)), ("w", 0)) == []     # slot out of range
+    assert replies(agg, _data(0, _entry(0, P.BOOT, 2, next_exp=1), world=3), ("w", 0)) == []
     c = agg.counters
     assert (c["drop_short"], c["drop_foreign_job"], c["drop_not_member"], c["drop_range"],
             c["drop_geometry"]) == (1, 1, 2, 1, 1)
@@ -171,44 +183,44 @@ def test_aggregator_counts_and_drops_bad_input():
 def test_aggregator_round_duplicate_and_shadow():
     agg = _member_agg()
     # bootstrap: rank 0 has block 2 next (exp 1), rank 1 has block 6 (exp 3)
-    assert agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0)) == []
-    (dest, status), = agg.receive(_data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0))  # duplicate
+    assert replies(agg, _data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0)) == []
+    (dest, status), = replies(agg, _data(0, _entry(0, P.BOOT, 2, next_exp=1)), ("w", 0))  # duplicate
     st_ = P.decode(status)
     assert dest == [("w", 0)] and st_.header.type == P.STATUS and st_.entries["next"][0] == 0b01
-    assert agg.receive(_data(1, _entry(0, P.BOOT, 6, next_exp=3)), ("w", 1)) == []
-    (dest, res), = agg.flush()
+    assert replies(agg, _data(1, _entry(0, P.BOOT, 6, next_exp=3)), ("w", 1)) == []
+    (dest, res), = agg.datagrams_to_send(0.0)
     r = P.decode(res)
     assert dest == [("w", 0), ("w", 1)]
     assert (r.entries["block"][0], r.entries["next"][0], r.entries["next_exp"][0]) == (P.BOOT, 2, 1)
     # round for block 2: only rank 0 has data, wrong exponent first -> dropped, not added
     row = np.array([[1, -2, 3, 4]], np.int32)
-    assert agg.receive(_data(0, _entry(0, 2, 6, exp=5, next_exp=2, data=True), row), ("w", 0)) == []
+    assert replies(agg, _data(0, _entry(0, 2, 6, exp=5, next_exp=2, data=True), row), ("w", 0)) == []
     assert agg.counters["drop_mismatch"] == 1
-    assert agg.receive(_data(0, _entry(0, 2, 6, exp=1, next_exp=2, data=True), row), ("w", 0)) == []
-    assert agg.receive(_data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1)) == []
-    (dest, res), = agg.flush()
-    assert agg.flush() == []
+    assert replies(agg, _data(0, _entry(0, 2, 6, exp=1, next_exp=2, data=True), row), ("w", 0)) == []
+    assert replies(agg, _data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1)) == []
+    (dest, res), = agg.datagrams_to_send(0.0)
+    assert agg.datagrams_to_send(0.0) == []
     r = P.decode(res)
     assert np.array_equal(r.data, row) and r.entries["next"][0] == 6 and r.entries["next_exp"][0] == 3
     # a late retransmission of the completed round gets the shadow copy, to the sender alone
-    (dest, res2), = agg.receive(_data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1))
+    (dest, res2), = replies(agg, _data(1, _entry(0, 2, 6, exp=1, next_exp=3)), ("w", 1))
     assert dest == [("w", 1)] and res2 == res
     # an entry for a block that is neither current nor previous is stale
-    assert agg.receive(_data(1, _entry(0, 4, 6, exp=1)), ("w", 1)) == []
+    assert replies(agg, _data(1, _entry(0, 4, 6, exp=1)), ("w", 1)) == []
     assert agg.counters["drop_stale"] == 1
 
 
 def test_join_rules():
     agg = AggregatorMachine(7, 2, slots=4)
     j = lambda rank, nonce, world=2, B=4: P.encode(P.Header(P.JOIN, 7, rank, world, nonce, 0, B))
-    assert agg.receive(j(0, 1, world=3), "a") == []            # wrong world size
-    assert agg.receive(j(2, 1), "a") == []                     # rank out of range
-    (_, ack), = agg.receive(j(0, 1), "a")
+    assert replies(agg, j(0, 1, world=3), "a") == []            # wrong world size
+    assert replies(agg, j(2, 1), "a") == []                     # rank out of range
+    (_, ack), = replies(agg, j(0, 1), "a")
     assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b01)
-    assert agg.receive(j(1, 2, B=8), "b") == []                # block size differs from the job's
-    (_, ack), = agg.receive(j(1, 2), "b")
+    assert replies(agg, j(1, 2, B=8), "b") == []                # block size differs from the job's
+    (_, ack), = replies(agg, j(1, 2), "b")
     assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b11)
-    (_, ack), = agg.receive(j(0, 3), "c")                      # rank 0 restarted: a new run
+    (_, ack), = replies(agg, j(0, 3), "c")                      # rank 0 restarted: a new run
     assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b01)
     assert agg.counters["job_restarts"] == 1
 
@@ -225,15 +237,15 @@ def test_worker_times_out_naming_the_missing_rank():
     m = AllreduceMachine(WorkerConfig(0, 3, 1, timeout=1.0, block_size=4), 1, source,
                          Layout(1, 4, source.nblocks), DenseResult(np.zeros(16, np.float32)))
     for _, d in m.start(0.0):
-        agg.receive(d, ("w", 0))
+        agg.receive(d, ("w", 0), 0.0)
     # rank 1 contributes, rank 2 never does
-    agg.receive(_data(1, P.entries_array(0), job=1, world=3, epoch=1, blocks=4), ("w", 1))
+    agg.receive(_data(1, P.entries_array(0), job=1, world=3, epoch=1, blocks=4), ("w", 1), 0.0)
     t = 0.0
     with pytest.raises(ZeroSumTimeout, match="waiting for ranks 1, 2"):
         while True:
             t = m.timer()
             for _, d in m.datagrams_to_send(t):
-                for dest, reply in agg.receive(d, ("w", 0)) + agg.flush():
+                for dest, reply in sent(agg, d, ("w", 0)):
                     m.receive(0, bytes(reply), t)
     assert t >= 1.0
 
@@ -250,13 +262,13 @@ def test_a_violating_result_changes_nothing_and_fails_the_allreduce():
     cfg = WorkerConfig(rank=0, world=1, job=1, block_size=4)
     join = JoinMachine(cfg, 1, 1, 0.0)
     for _, d in join.datagrams_to_send(0.0):
-        for _, ack in agg.receive(d, "w"):
+        for _, ack in sent(agg, d, "w"):
             join.receive(0, bytes(ack), 0.0)
     x = np.arange(1, 17, dtype=np.float32)            # 4 blocks over 2 columns, all non-zero
     out = np.zeros(16, np.float32)
     m = AllreduceMachine(cfg, 1, BlockSource.dense(x, 4), Layout(1, join.slots, 4), DenseResult(out))
     for _, d in m.start(0.0):                           # the bootstrap round, answered
-        for _, r in agg.receive(bytes(d), "w") + agg.flush():
+        for _, r in sent(agg, bytes(d), "w"):
             m.receive(0, bytes(r), 0.0)
     assert list(m.round_block) == [0, 1]
     before = [m.st.round_block.copy(), m.st.mine_pos.copy(), m.st.ready.copy()]

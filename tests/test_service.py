@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from netsim import run
+from netsim import ServiceJob, run
 from procs import Aggregator, run_workers
 from test_end_to_end import check
 from zerosum import protocol as P
@@ -24,23 +24,15 @@ def _join(service, job, world, block_size=4, now=0.0, ranks=None):
             if ranks is not None and r not in ranks:
                 continue
             for _, d in m.datagrams_to_send(t):
-                for _, reply in service.receive(d, (job, r), t):
+                for _, reply in exchange(service, d, (job, r), t):
                     m.receive(0, bytes(reply), t)
     return joins
 
 
-class JobView:
-    """One job of a service, as netsim drives an aggregator machine."""
-
-    def __init__(self, service, job):
-        self.service, self.job = service, job
-        self.state = type("S", (), {"job": job})()
-
-    def receive(self, data, source):
-        return self.service.receive(data, (self.job, source[1]))
-
-    def flush(self):
-        return self.service.flush()
+def exchange(service, datagram, source, now=0.0):
+    """What the service sends after taking `datagram` (its driver interface, one datagram at a time)."""
+    service.receive(datagram, source, now)
+    return service.datagrams_to_send(now)
 
 
 def test_jobs_get_fair_shares_and_a_full_aggregator_refuses_clearly():
@@ -67,8 +59,9 @@ def test_a_leave_from_a_stranger_changes_nothing_and_idle_jobs_expire():
     (_, forged), = a[0].leave()
     s.receive(forged, ("elsewhere", 0), 2.0)           # wrong address: not the member's LEAVE
     assert 1 in s.jobs and s.job_counters(1)["drop_not_member"] == 1
-    assert s.timer() == 11.0 and s.expire(10.0) == []
-    assert s.expire(11.0) == [1] and s.slots_in_use == 0 and s.counters["jobs_ended"] == 1
+    assert s.timer() == 11.0 and s.datagrams_to_send(10.0) == [] and 1 in s.jobs
+    s.datagrams_to_send(11.0)
+    assert 1 not in s.jobs and s.slots_in_use == 0 and s.counters["jobs_ended"] == 1
     # the ended job's counters stay in the totals: 3 JOINs (rank 0 repeated its until rank 1 had joined)
     assert s.counters["joins"] == 3
 
@@ -79,15 +72,16 @@ def test_a_declared_job_outlives_a_pause_longer_than_job_idle():
     s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128, job_idle=10.0, declared={5: 2})
     _join(s, 5, 2, now=0.0)
     _join(s, 6, 2, now=0.0)
-    assert s.timer() == 11.0 and s.expire(100.0) == [6]
-    assert 5 in s.jobs and s.timer() == float("inf")
+    assert s.timer() == 11.0
+    s.datagrams_to_send(100.0)
+    assert set(s.jobs) == {5} and s.timer() == float("inf")
 
 
 def test_datagrams_for_no_job_and_declared_world_mismatch_are_counted_drops():
     s = AggregatorService(slots=128, min_job_slots=64, declared={5: 3})
     data = P.encode(P.Header(P.DATA, 9, 0, 2, 1, 4, 4, 0))
-    assert s.receive(data, "x") == [] and s.counters["drop_foreign_job"] == 1
-    assert s.receive(b"\x01", "x") == [] and s.counters["drop_short"] == 1
+    assert exchange(s, data, "x") == [] and s.counters["drop_foreign_job"] == 1
+    assert exchange(s, b"\x01", "x") == [] and s.counters["drop_short"] == 1
     joins = _join(s, 5, 2)                # job 5 is declared with 3 workers: a world of 2 is not admitted
     assert not any(m.done for m in joins) and 5 not in s.jobs and s.counters["drop_join_world"] == 4
     assert all(m.done for m in _join(s, 5, 3))
@@ -106,8 +100,8 @@ def test_three_jobs_at_once_sum_exactly_and_never_touch_each_other():
         arrays = [(rng.standard_normal(B * 37 + 5) * (rng.random(B * 37 + 5) < 0.3)).astype(np.float32)
                   for _ in range(world)]
         for g in garbage[:10]:
-            s.receive(g, ("noise", 0))
-        outs, _ = run(arrays, [JobView(s, job)], block_size=B, loss=0.1, dup=0.1, reorder=0.3, seed=job)
+            s.receive(g, ("noise", 0), 0.0)
+        outs, _ = run(arrays, [ServiceJob(s, job)], block_size=B, loss=0.1, dup=0.1, reorder=0.3, seed=job)
         ref = reference_allreduce(arrays, B)
         assert all(o.tobytes() == ref.tobytes() for o in outs)
     assert set(s.jobs) == {1, 2, 3, 5}
@@ -147,7 +141,7 @@ def test_stats_request_answers_totals_and_every_job():
     s = AggregatorService(slots=256, min_job_slots=64, max_job_slots=128)
     _join(s, 4, 2)
     request = P.encode(P.Header(P.STATS, 0, 0, 0))
-    (dest, reply), = s.receive(request, "asker")
+    (dest, reply), = exchange(s, request, "asker")
     d = P.decode(bytes(reply))
     assert dest == ["asker"] and d.header.type == P.STATS
     import json
@@ -184,7 +178,7 @@ def _keyed_join(service, job, rank, world, key, nonce, source):
     cfg = WorkerConfig(rank=rank, world=world, job=job, block_size=4, key=key)
     m = JoinMachine(cfg, 1, nonce, 0.0)
     (_, join), = m.datagrams_to_send(0.0)
-    return m, join, [bytes(r) for _, r in service.receive(join, source)]
+    return m, join, [bytes(r) for _, r in exchange(service, join, source)]
 
 
 def test_with_a_key_only_authenticated_fresh_joins_are_admitted():
@@ -197,19 +191,19 @@ def test_with_a_key_only_authenticated_fresh_joins_are_admitted():
     # the right key: admitted; the same JOIN again (a retransmission) is answered, not a restart
     m0, join0, replies = _keyed_join(s, 1, 0, 2, b"secret", 11, "w0")
     assert len(replies) == 1 and P.decode(replies[0]).header.type == P.JOIN_ACK
-    assert len(s.receive(join0, "w0")) == 1
+    assert len(exchange(s, join0, "w0")) == 1
     _keyed_join(s, 1, 1, 2, b"secret", 12, "w1")
     assert s.job_counters(1).get("job_restarts", 0) == 0 and sorted(s.jobs[1].machine.state.members) == [0, 1]
     # rank 0 restarts (new nonce): a new run; then rank 0's old JOIN, replayed, must not restart it again
     _keyed_join(s, 1, 0, 2, b"secret", 13, "w0")
     assert s.job_counters(1)["job_restarts"] == 1
-    assert s.receive(join0, "attacker") == [] and s.counters["drop_replay"] == 1
+    assert exchange(s, join0, "attacker") == [] and s.counters["drop_replay"] == 1
     assert s.job_counters(1)["job_restarts"] == 1
     # DATA from an address that was never admitted never reaches a slot
     entry = P.entries_array(1)
     entry[0] = (0, 0, P.BOOT, P.END, P.NO_EXP, P.NO_EXP)
     data = P.encode(P.Header(P.DATA, 1, 1, 2, 1, 4, 4, 1), entry)
-    s.receive(data, "attacker")
+    assert exchange(s, data, "attacker") == []
     assert s.job_counters(1)["drop_not_member"] == 1 and not (s.jobs[1].machine.state.bitmap != 0).any()
 
 

@@ -316,12 +316,16 @@ def _machines(world, block_size=4, n=64, timeout=100.0):
     return agg, ms, xs
 
 
-def _to_agg(agg, rank, datagrams):
-    """Deliver a worker's datagrams to the aggregator; return its immediate replies (copied)."""
-    replies = []
+def _to_agg(agg, rank, datagrams, now=0.0):
+    """Deliver a worker's datagrams to the aggregator; return its immediate replies (the completed
+    rounds wait for _results)."""
     for _, d in datagrams:
-        replies += [(dests, bytes(x)) for dests, x in agg.receive(bytes(d), ("w", rank))]
-    return replies
+        agg.receive(bytes(d), ("w", rank), now)
+    return agg.datagrams_to_send(now, results=False)
+
+
+def _results(agg, now=0.0):
+    return agg.datagrams_to_send(now)
 
 
 def _deliver(ms, replies, now):
@@ -345,7 +349,7 @@ def _finish(agg, ms, now, active=None, until=np.inf):
             if out:
                 moved = True
                 _deliver(ms, _to_agg(agg, r, out), now)
-                _deliver(ms, [(d, bytes(x)) for d, x in agg.flush()], now)
+                _deliver(ms, _results(agg), now)
         if not moved:
             timers = [m.timer() for r, m in enumerate(ms)
                       if not m.done and (active is None or r in active)]
@@ -367,7 +371,7 @@ def test_probe_answered_before_the_flush_is_not_a_loss():
     sent = m0.datagrams_to_send(0.252)                       # the probe's column goes on...
     _deliver([m0, m1], _to_agg(agg, 0, sent), 0.252)
     _deliver([m0, m1], _to_agg(agg, 0, m0.datagrams_to_send(0.253)), 0.253)    # ...nothing else is due
-    _deliver([m0, m1], [(d, bytes(x)) for d, x in agg.flush()], 0.254)
+    _deliver([m0, m1], _results(agg), 0.254)
     _finish(agg, [m0, m1], 0.255)
     ref = reference_allreduce(xs, 4)
     assert all(m.output.flat.tobytes() == ref.tobytes() for m in (m0, m1))
@@ -381,7 +385,7 @@ def test_probe_crossing_its_result_leaves_no_confirmed_loss():
     agg, (m0, m1), xs = _machines(2)
     assert _to_agg(agg, 0, m0.start(0.0)) == []
     assert _to_agg(agg, 1, m1.start(0.25)) == []
-    results = [(d, bytes(x)) for d, x in agg.flush()]       # in flight to both ranks...
+    results = _results(agg)       # in flight to both ranks...
     probe = m0.datagrams_to_send(0.25)                       # ...while rank 0 probes
     assert sum(len(d) for _, d in probe) < 100               # one entry
     shadow = _to_agg(agg, 0, probe)

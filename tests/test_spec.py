@@ -140,9 +140,10 @@ class Three:
         before = self.counts()
         replies = []
         for agg in (self.machine, self.service):
-            out = agg.receive(payload, addr(rank)) + agg.flush()
-            replies.append([(_rank(d), bytes(b)) for d, b in out])
-        out = self.switch.receive(payload, ("w", rank))
+            agg.receive(payload, addr(rank), 0.0)
+            replies.append([(_rank(d), bytes(b)) for d, b in agg.datagrams_to_send(0.0)])
+        self.switch.receive(payload, ("w", rank), 0.0)
+        out = self.switch.datagrams_to_send(0.0)
         by_payload = {}
         for (dest,), b in out:
             by_payload.setdefault(b, []).append(dest[1])
@@ -261,7 +262,8 @@ def test_each_rule_wins_in_the_documented_order_everywhere(expected, rank, packe
         # the software aggregator refuses only when full: fill it first (the switch refuses job 9: not configured)
         t.service = AggregatorService(slots=SLOTS, max_jobs=1, min_job_slots=SLOTS, max_job_slots=SLOTS)
         for r in range(WORLD):
-            t.service.receive(P.encode(P.Header(P.JOIN, 1, r, WORLD, 100 + r, 0, K, 0)), addr(r))
+            t.service.receive(P.encode(P.Header(P.JOIN, 1, r, WORLD, 100 + r, 0, K, 0)), addr(r), 0.0)
+        t.service.datagrams_to_send(0.0)
         deltas, replies = t.send(rank, packet)
         assert deltas[1] == deltas[2] == {"joins_refused": 1}
         service_reply, switch_reply = replies[1][0][1], replies[2][0][1]
