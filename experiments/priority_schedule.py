@@ -296,7 +296,8 @@ def _shaped(args, cfg) -> dict:
     address = f"{hosts['agg']}:{DEFAULT_PORT}"
     with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate}) as (ns, drops):
         agg = subprocess.Popen(["ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "aggregator",
-                                "--listen", address, "--workers", str(args.workers), "--job", str(cfg["job"])],
+                                "--listen", address, "--workers", str(args.workers), "--job", str(cfg["job"]),
+                                "--insecure"],     # private network namespaces of this script
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             time.sleep(1.0)

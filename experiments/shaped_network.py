@@ -58,7 +58,8 @@ def run(rate: str, workers: int, aggregators: int, example: str, mtu: int, examp
     job = 4242
     with shaped_star(hosts, rate, mtu) as (ns, drops), tempfile.TemporaryDirectory() as tmp:
         aggs = [subprocess.Popen(["ip", "netns", "exec", ns[name], sys.executable, "-m", "zerosum", "aggregator",
-                                  "--workers", str(workers), "--listen", f"{ip}:{AGGREGATOR_PORT}", "--job", str(job)],
+                                  "--workers", str(workers), "--listen", f"{ip}:{AGGREGATOR_PORT}", "--job", str(job),
+                                  "--insecure"],     # private network namespaces of this script
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name, ip in where]
         report = Path(tmp) / "report.json"
         env = dict(os.environ, WORLD_SIZE=str(workers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",

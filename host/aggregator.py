@@ -1,6 +1,7 @@
 """The software aggregator: the aggregation service (one state machine per job) behind a UDP socket."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import time
@@ -46,8 +47,9 @@ class AggregatorServer:
     def __init__(self, workers: int | None = None, listen: str = f"0.0.0.0:{P.DEFAULT_PORT}", job: int = 1,
                  slots: int = 8192, loss: float = 0.0, seed: int | None = None, *, max_jobs: int = 16,
                  min_job_slots: int = 64, max_job_slots: int | None = None, job_idle: float = 0.0,
+                 join_timeout: float = 30.0,
                  key: bytes | None = None, declared: dict[int, int] | None = None,
-                 max_datagram: int = P.MAX_DATAGRAM, multicast: str | None = None):
+                 max_datagram: int = P.MAX_DATAGRAM, multicast: str | None = None, insecure: bool = False):
         """max_datagram: the largest RESULT/STATUS datagram sent (UDP payload bytes); on links whose MTU
         is smaller than 64 KiB, MTU - 28 keeps results from being IP-fragmented (docs/protocol.md, "Fusion").
         multicast: "GROUP:PORT": results go to that IP multicast group once, instead of to each worker
@@ -62,6 +64,14 @@ class AggregatorServer:
             raise ValueError(f"max_datagram must be {P.PACKET_HEADER_SIZE + P.ENTRY_SIZE}..{P.MAX_DATAGRAM} "
                              f"bytes, got {max_datagram}")
         self.address = parse_address(listen)
+        if key is None and not ipaddress.ip_address(self.address[0]).is_loopback:
+            # Protected mode (as Redis's): without a key, anyone who can send one datagram could join a
+            # job as a rank, restart it, or squat its id.
+            if not insecure:
+                raise ValueError(f"listening on {self.address[0]} (not loopback) without a key: give the "
+                                 "workers' secret with --key-file FILE, or run open with --insecure")
+            log.warning("running open on %s (--insecure): anyone who can reach it can join or disturb a job",
+                        self.address[0])
         warm_up()     # compile the kernels before any worker can be waiting for this aggregator
         max_job_slots = min(slots, max_job_slots or 2048)
         # Every worker of a job may have a datagram in flight for every slot of the job: size the buffer
@@ -76,7 +86,7 @@ class AggregatorServer:
                         "granting at most %d slots per job instead of %d", got, granted, max_job_slots)
         self.service = AggregatorService(max(slots, granted), max_jobs=max_jobs,
                                          min_job_slots=min(min_job_slots, granted), max_job_slots=granted,
-                                         job_idle=job_idle,
+                                         job_idle=job_idle, join_timeout=join_timeout,
                                          declared=declared or ({job: workers} if workers else None),
                                          key=key, max_datagram=max_datagram, multicast=group)
         self.machine = self.service     # what the benchmark and older callers read counters from

@@ -7,8 +7,10 @@ included), at least `min_job_slots` and at most `max_job_slots`, taken from the 
 that cannot be admitted (`max_jobs` served, or fewer than `min_job_slots` free) is answered with REFUSED,
 which the workers raise as an error ("aggregator full: N jobs, M slots in use"), not a timeout. A job
 ends, and its slots return to the pool, when all its ranks have sent LEAVE or (unless it was declared)
-when it has been silent for `job_idle` seconds (ended by `datagrams_to_send(now)` once `now` reaches
-`timer()`, and logged); a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
+when it has been silent for `job_idle` seconds or its ranks have not all joined within `join_timeout`
+seconds of its first JOIN (R-J7: a stray JOIN cannot hold a job id; ended by `datagrams_to_send(now)`
+once `now` reaches `timer()`, and logged). A JOIN whose world or block size disagrees with its job's is
+answered with REFUSED naming the job's (R-J6), so that its worker fails at once with the reason; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
 a dead rank, a JOIN storm) never touches another job's slots.
 
 Admission: with a `key`, a JOIN must carry HMAC-SHA256(key, its header) (else drop_auth), and a nonce
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import protocol as P
-from .aggregator_machine import COUNTERS, AggregatorMachine
+from .aggregator_machine import COUNTERS, AggregatorMachine, refusal
 
 # a job's traffic that its machine accepted (keeps the job from expiring)
 _DATAGRAMS, _JOINS, _LEAVES = (COUNTERS.index(name) for name in ("datagrams", "joins", "leaves"))
@@ -50,22 +52,26 @@ class Job:
     machine: AggregatorMachine
     slots: int
     last_heard: float
+    join_deadline: float    # R-J7: all ranks joined by then, or the job ends (inf: joined, or declared)
 
 
 class AggregatorService:
     def __init__(self, slots: int = 8192, *, max_jobs: int = 16, min_job_slots: int = 64,
-                 max_job_slots: int = 2048, job_idle: float = 0.0, declared: dict[int, int] | None = None,
+                 max_job_slots: int = 2048, job_idle: float = 0.0, join_timeout: float = 30.0,
+                 declared: dict[int, int] | None = None,
                  max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM,
                  key: bytes | dict[int, bytes] | None = None, multicast: tuple | None = None):
         """key: one secret for every job, or {job: secret} (jobs without one are then not admitted).
-        multicast: (group, port) that every job's results go to (AggregatorMachine)."""
+        multicast: (group, port) that every job's results go to (AggregatorMachine).
+        join_timeout: a job its JOINs created ends unless all its ranks joined within this many seconds
+        (R-J7; 0: never)."""
         self.multicast = multicast
         if not 1 <= min_job_slots <= max_job_slots <= 0xFFFF:
             raise ValueError(f"need 1 <= min_job_slots <= max_job_slots <= 65535, got {min_job_slots} "
                              f"and {max_job_slots}")
         if slots < min_job_slots:
             raise ValueError(f"a pool of {slots} slots cannot hold one job of at least {min_job_slots}")
-        self.slots, self.max_jobs, self.job_idle = slots, max_jobs, job_idle
+        self.slots, self.max_jobs, self.job_idle, self.join_timeout = slots, max_jobs, job_idle, join_timeout
         self.min_job_slots, self.max_job_slots = min_job_slots, max_job_slots
         self.declared = dict(declared or {})
         for job, world in self.declared.items():
@@ -145,6 +151,8 @@ class AggregatorService:
         job.machine.receive_checked(datagram, fields, source)
         if counts[_DATAGRAMS] + counts[_JOINS] + counts[_LEAVES] != accepted:
             job.last_heard = now      # only a member's traffic keeps a job alive, not drops
+            if ptype == P.JOIN and job.machine.state.joined_bitmap == (1 << job.machine.state.world) - 1:
+                job.join_deadline = float("inf")                    # R-J7: every rank joined
         if ptype == P.LEAVE and job.machine.idle:
             self._end(job_id)
 
@@ -159,22 +167,30 @@ class AggregatorService:
         return out
 
     def timer(self) -> float:
-        """When `datagrams_to_send` next has work without a datagram: the next idle job's expiry (inf
-        without job_idle or jobs)."""
-        heard = [j.last_heard for job, j in self.jobs.items() if job not in self.declared]
-        if not self.job_idle or not heard:
+        """When `datagrams_to_send` next has work without a datagram: the next idle job's expiry or
+        join deadline (inf without either)."""
+        return min((self._ends_at(job, j) for job, j in self.jobs.items()), default=float("inf"))
+
+    def _ends_at(self, job_id: int, job: Job) -> float:
+        if job_id in self.declared:
             return float("inf")
-        return min(heard) + self.job_idle
+        return min(job.last_heard + self.job_idle if self.job_idle else float("inf"), job.join_deadline)
 
     def _expire(self, now: float) -> None:
-        """End the jobs silent for job_idle seconds (a dead job's slots return to the pool)."""
+        """End the jobs silent for job_idle seconds (a dead job's slots return to the pool) and those
+        whose ranks did not all join in time (R-J7)."""
         # A declared job is the operator's (like a switch's configured job): a pause in training longer
         # than job_idle must not end it under its live workers; it ends when all its ranks LEAVE.
-        gone = [job for job, j in self.jobs.items()
-                if job not in self.declared and now >= j.last_heard + self.job_idle]   # as timer()
-        for job in gone:
+        gone = [(job, j) for job, j in self.jobs.items() if now >= self._ends_at(job, j)]
+        for job, j in gone:
             self._end(job)
-            log.info("job %d ended: idle for %.1f s", job, self.job_idle)
+            if now >= j.join_deadline:
+                self.service_counters["jobs_join_timeout"] += 1
+                log.info("job %d ended: ranks %s of %d did not join within %.1f s", job,
+                         _ranks(~j.machine.state.joined_bitmap, j.machine.state.world),
+                         j.machine.state.world, self.join_timeout)
+            else:
+                log.info("job %d ended: idle for %.1f s", job, self.job_idle)
 
     # -- admission ----------------------------------------------------------------------------------
     def _admissible(self, datagram, job_id: int, rank: int, nonce: int) -> bool:
@@ -199,9 +215,12 @@ class AggregatorService:
     def _admit(self, job_id: int, world: int, block_size: int, now: float):
         """A new job's machine, or (None, REFUSED datagram) when it cannot be served."""
         declared = self.declared.get(job_id)
-        if declared is not None and world != declared or not 1 <= world <= P.MAX_WORLD:
+        if not 1 <= world <= P.MAX_WORLD:
             self._drops["drop_join_world"] += 1
             return None, None
+        if declared is not None and world != declared:
+            self._drops["drop_join_world"] += 1                     # R-J6: refused, naming the declaration
+            return None, refusal(job_id, declared, 0)
         free = self.slots - self.slots_in_use
         share = self.slots // (len(self.jobs) + 1)
         quota = min(free, self.max_job_slots, max(self.min_job_slots, share))
@@ -212,7 +231,8 @@ class AggregatorService:
             return None, P.encode(header, body=body)
         machine = AggregatorMachine(job_id, world, slots=quota, max_block_size=self.max_block_size,
                                     max_datagram=self.max_datagram, multicast=self.multicast)
-        self.jobs[job_id] = Job(machine, quota, now)
+        deadline = now + self.join_timeout if self.join_timeout and declared is None else float("inf")
+        self.jobs[job_id] = Job(machine, quota, now, deadline)
         self.service_counters["jobs_started"] += 1
         return self.jobs[job_id], None
 
@@ -221,3 +241,7 @@ class AggregatorService:
         self._outbox += job.machine.datagrams_to_send(0.0)     # what it still had to say
         self._ended += job.machine.counters.array
         self.service_counters["jobs_ended"] += 1
+
+
+def _ranks(bitmap: int, world: int) -> str:
+    return ", ".join(str(r) for r in range(world) if bitmap >> r & 1)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .local import CTX, LocalAggregator
+from .local import CTX, LocalAggregator, new_key
 from .udp import free_port as _free_port
 
 CHECKPOINT_TIMEOUT = 600.0   # seconds a rank waits for the others (and for the aggregators' snapshot)
@@ -91,7 +91,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
         sync.wait(CHECKPOINT_TIMEOUT)
 
     with zerosum.Worker(rank, world, addresses, block_size=plan["block_size"], loss=plan["loss"],
-                        seed=rank, max_datagram=plan.get("max_datagram"),
+                        seed=rank, max_datagram=plan.get("max_datagram"), key=plan["key"],
                         multicast=_multicast(plan, 0)) as w:
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
@@ -163,9 +163,10 @@ def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambd
 
 def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> dict:
     listen = plan.get("listen") or [f"127.0.0.1:{port + i if port else 0}" for i in range(aggregators)]
+    plan = dict(plan, key=new_key())     # only this run's workers can join its aggregators
     aggs = [LocalAggregator(world, slots=plan["slots"], listen=listen[i], max_datagram=plan.get("max_datagram"),
                             prefix=plan["prefixes"][i] if plan.get("prefixes") else (),
-                            multicast=_multicast(plan, i))
+                            multicast=_multicast(plan, i), key=plan["key"])
             for i in range(aggregators)]
     events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
     gloo_port = 29500 if plan.get("namespaces") else _free_port()

@@ -19,9 +19,17 @@ from .worker import Worker
 
 def run_check(args) -> int:
     report = {"rank": args.rank, "world": args.world, "aggregators": args.aggregators, "runs": []}
+    key = None
+    if args.key_file:
+        from .cli import _keys
+        key = _keys(args.key_file)
+        if isinstance(key, dict):
+            key = key.get(args.job)
+            if key is None:
+                raise ValueError(f"--key-file {args.key_file} has no secret for job {args.job}")
     with Worker(args.rank, args.world, args.aggregators, job=args.job, block_size=args.block_size,
                 timeout=args.timeout, loss=args.loss, seed=args.rank, max_entries=args.max_entries,
-                bind=args.bind) as w:
+                bind=args.bind, key=key) as w:
         good = True
         for density in args.densities:
             x = bench_tensor(args.rank, density, args.size, args.block_size, args.seed)

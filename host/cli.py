@@ -47,9 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--job-idle", type=float, default=60.0, metavar="SECONDS",
                    help="a job silent this long ends and frees its slots (0: only when all ranks leave; "
                         "jobs declared with --job/--jobs end only when all their ranks leave)")
+    a.add_argument("--join-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a job created by JOINs ends unless all its ranks joined within this long, so that "
+                        "a stray JOIN cannot hold a job id (0: never; declared jobs: never)")
     a.add_argument("--key-file", metavar="FILE",
                    help="a secret shared with the workers (Worker(key=...), ZEROSUM_KEY), or a JSON object "
                         "of per-job secrets {\"JOB\": \"secret\"}: only JOINs with its HMAC are admitted")
+    a.add_argument("--insecure", action="store_true",
+                   help="run without --key-file on an address other than loopback (refused otherwise): "
+                        "anyone who can reach it can then join or disturb a job")
     a.add_argument("--multicast", default=None, metavar="GROUP:PORT",
                    help="send the results of completed rounds once to this IP multicast group instead of to "
                         "each worker (workers: Worker(multicast=...), ZEROSUM_MULTICAST); TTL 0 on loopback")
@@ -114,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at this worker")
     c.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")
     c.add_argument("--results", default="", help="directory for rank-N.json")
+    c.add_argument("--key-file", metavar="FILE",
+                   help="the secret shared with the aggregators (their --key-file): JOINs carry its HMAC")
     st = sub.add_parser("stats", help="ask a running aggregator for its counters (JSON on stdout)")
     st.add_argument("address", metavar="HOST:PORT")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
@@ -207,7 +215,8 @@ def _aggregator(args) -> int:
     key = _keys(args.key_file) if args.key_file else None
     server = AggregatorServer(args.workers, args.listen, args.job, args.slots, args.loss, args.seed,
                               max_jobs=args.max_jobs, min_job_slots=args.min_job_slots,
-                              max_job_slots=args.max_job_slots, job_idle=args.job_idle, key=key,
+                              max_job_slots=args.max_job_slots, job_idle=args.job_idle,
+                              join_timeout=args.join_timeout, key=key, insecure=args.insecure,
                               declared=declared, max_datagram=args.max_datagram, multicast=args.multicast)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))

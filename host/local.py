@@ -11,11 +11,14 @@ import atexit
 import ctypes
 import json
 import multiprocessing as mp
+import os
 import resource
+import secrets
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Sequence
 
 CTX = mp.get_context("spawn")
@@ -51,6 +54,11 @@ def snapshot_on_signal(server) -> None:
     signal.signal(signal.SIGUSR1, lambda *_: print(SNAPSHOT, json.dumps(snapshot(server)), flush=True))
 
 
+def new_key() -> str:
+    """A random secret for one run's aggregator and workers (256 bits, as hex)."""
+    return secrets.token_hex(32)
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the parent dies, so no aggregator outlives its user (Linux)."""
     try:
@@ -65,11 +73,15 @@ class LocalAggregator:
     def __init__(self, workers: int | None, *, listen: str = "127.0.0.1:0", job: int = 1,
                  slots: int | None = None, loss: float = 0.0, seed: int | None = None,
                  max_job_slots: int | None = None, job_idle: float | None = None, prefix: Sequence[str] = (),
-                 max_datagram: int | None = None, multicast: str | None = None):
+                 max_datagram: int | None = None, multicast: str | None = None, key: str | None = None,
+                 insecure: bool = False):
         """workers and job declare a job (None: jobs only come from JOINs); with `slots` alone, the one
         job gets them all (max_job_slots caps a job's share instead). `prefix` is put before the command,
         e.g. ["ip", "netns", "exec", NS] to run it in a network namespace (the prefix must exec the
-        command, so that the snapshot's signal reaches the aggregator)."""
+        command, so that the snapshot's signal reaches the aggregator). `key`: the secret the workers'
+        JOINs must be authenticated with (handed over in a file only this user can read, removed once
+        the aggregator has started); without one, a `listen` address other than loopback needs
+        `insecure` (protected mode: zerosum aggregator --insecure)."""
         cmd = [*prefix, sys.executable, "-m", "zerosum", "aggregator", "--listen", listen, "--job", str(job),
                "--loss", str(loss), "--announce"]
         if workers:
@@ -87,11 +99,20 @@ class LocalAggregator:
             cmd += ["--max-datagram", str(max_datagram)]
         if multicast:
             cmd += ["--multicast", multicast]
+        if insecure:
+            cmd += ["--insecure"]
+        self.key = key
         self._counters: dict = {}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     preexec_fn=_die_with_parent)
-        atexit.register(self.stop)
-        line = self.proc.stdout.readline().split()
+        with tempfile.TemporaryDirectory(prefix="zerosum-key-") as private:    # mode 0700
+            if key is not None:
+                key_file = os.path.join(private, "key")
+                with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                    f.write(key)
+                cmd += ["--key-file", key_file]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                         preexec_fn=_die_with_parent)
+            atexit.register(self.stop)
+            line = self.proc.stdout.readline().split()     # the key is read before the address is announced
         if len(line) != 2 or line[0] != ANNOUNCE:
             self.proc.kill()
             raise RuntimeError(f"the aggregator process did not start (exit code {self.proc.wait()})")

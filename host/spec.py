@@ -72,6 +72,7 @@ REFUSED_BODY = Layout("refused_t", (Field("reason", 32), Field("jobs", 32), Fiel
                                     Field("slots", 32)))
 REFUSED_FULL = 1          # no room for another job (software aggregator)
 REFUSED_UNKNOWN_JOB = 2   # the job is not configured (a switch: jobs come from its control plane)
+REFUSED_CONFLICT = 3      # the job exists with another world or block size (the REFUSED header: the job's)
 
 # Packet types, by value.
 TYPES = {"JOIN": 1, "JOIN_ACK": 2, "DATA": 3, "RESULT": 4, "STATUS": 5, "LEAVE": 6, "REFUSED": 7, "STATS": 8}
@@ -103,7 +104,7 @@ COUNTERS = (
     "drop_exponent", "drop_foreign_job", "drop_not_member", "drop_geometry", "drop_join_world",
     "drop_join_block_size", "drop_stale", "drop_mismatch", "joins_refused",
     # software aggregator only:
-    "send_errors", "leaves", "drop_auth", "drop_replay", "jobs_started", "jobs_ended",
+    "send_errors", "leaves", "drop_auth", "drop_replay", "jobs_started", "jobs_ended", "jobs_join_timeout",
 )
 SWITCH_COUNTERS = COUNTERS.index("joins_refused") + 1
 COUNTER_INDEX = {name: i for i, name in enumerate(COUNTERS)}

@@ -508,27 +508,33 @@ def register(ddp_model, worker: Worker | None = None, compressor=None) -> HookSt
 def worker_from_env(store, rank: int, world_size: int):
     """An open Worker configured from ZEROSUM_* variables, and the local aggregator it started (or None).
 
-    Without ZEROSUM_AGGREGATORS, rank 0 starts an aggregator on this machine and publishes its address
-    and a random job id in `store` (a torch.distributed Store), where the other ranks read them.
+    Without ZEROSUM_AGGREGATORS, rank 0 starts an aggregator on this machine and publishes its address,
+    a random job id and a random key (ZEROSUM_KEY if set) in `store` (a torch.distributed Store), where
+    the other ranks read them: the aggregator admits only this job's ranks.
     """
     local = None
     env = os.environ.get("ZEROSUM_AGGREGATORS")
+    key = os.environ.get("ZEROSUM_KEY") or None
     if env:
         aggregators = [a.strip() for a in env.split(",") if a.strip()]
         job = int(os.environ.get("ZEROSUM_JOB", 1))
     else:
         if rank == 0:
-            from .local import LocalAggregator
+            # Protected by default: a fresh secret that only this job's ranks learn, through the store
+            # they already trust, so that nobody else can join (or squat) the local aggregator's job.
+            from .local import LocalAggregator, new_key
             job = int(os.environ.get("ZEROSUM_JOB", random.randrange(1, 0xFFFF)))
-            local = LocalAggregator(world_size, job=job)
+            local = LocalAggregator(world_size, job=job, key=key or new_key())
             store.set("zerosum/aggregators", local.address)
             store.set("zerosum/job", str(job))
+            store.set("zerosum/key", local.key)
         aggregators = [store.get("zerosum/aggregators").decode()]
         job = int(store.get("zerosum/job").decode())
+        key = store.get("zerosum/key").decode()
     worker = Worker(rank, world_size, aggregators, job=job,
                     block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
-                    key=os.environ.get("ZEROSUM_KEY") or None,
+                    key=key,
                     window=int(os.environ["ZEROSUM_WINDOW"]) if os.environ.get("ZEROSUM_WINDOW") else None,
                     multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}

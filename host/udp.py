@@ -8,9 +8,10 @@ from .protocol import DEFAULT_PORT
 
 
 def parse_address(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """'host:port' or 'host' -> (IPv4 address, port); ValueError with a clear message otherwise."""
+    """'host:port', 'host', ':port' or 'port' -> (IPv4 address, port; no host: 0.0.0.0); ValueError with
+    a clear message otherwise."""
     host, sep, port = str(text).rpartition(":")
-    if not sep:
+    if not sep and not port.isdigit():
         host, port = port, str(default_port)
     try:
         port_n = int(port)

@@ -88,10 +88,21 @@ class JoinMachine:
 
     def receive(self, aggregator: int, datagram, now: float) -> None:
         h = P.parse_header(datagram)
-        if h is not None and h[0] == P.REFUSED and h[1] == self.cfg.job and h[3] == self.cfg.world \
+        if h is not None and h[0] == P.REFUSED and h[1] == self.cfg.job \
                 and len(datagram) == P.PACKET_HEADER_SIZE + P.REFUSED_BODY.size:
             reason, jobs, used, total = P.REFUSED_BODY.unpack_from(datagram, P.PACKET_HEADER_SIZE)
             name = (self.cfg.aggregator_names or [f"#{aggregator}"] * (aggregator + 1))[aggregator]
+            if reason == P.REFUSED_CONFLICT:                # R-J6: the header has the job's geometry
+                world, block_size = h[3], h[6]
+                held = (f"world {world} and block size {block_size}" if block_size else
+                        f"world {world} (no rank joined it yet)")
+                raise ZeroSumRefused(
+                    f"rank {self.cfg.rank}: aggregator {name} refused the JOIN: job {self.cfg.job} exists there "
+                    f"with {held}, this rank has world {self.cfg.world} and block size "
+                    f"{self.cfg.block_size} (another run of the job, or someone else's JOIN, holds the id: "
+                    "use another job id, or wait for that job to end)")
+            if h[3] != self.cfg.world:
+                return                                      # not the answer to this rank's JOIN
             if reason == P.REFUSED_UNKNOWN_JOB:
                 raise ZeroSumRefused(f"rank {self.cfg.rank}: aggregator {name} does not serve job {self.cfg.job}: "
                                      f"it is not configured there ({jobs} jobs are; configure the job with the "

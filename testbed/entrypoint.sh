@@ -7,6 +7,21 @@ set -e
 role="${1:-worker}"
 kind="${AGGREGATOR:-software}"
 port="${PORT:-48879}"
+# The software aggregator admits only JOINs authenticated with a key (protected mode): it writes a fresh
+# one into the run's shared tmpfs volume, which the workers wait for. (A switch takes no key.)
+keys="${KEYS:-/keys}"
+key_file="$keys/key"
+new_key() {
+    umask 077
+    python3 -c 'import secrets; print(secrets.token_hex(32))' > "$key_file.tmp" && mv "$key_file.tmp" "$key_file"
+}
+wait_for_key() {
+    n=0
+    while [ ! -s "$key_file" ]; do
+        n=$((n + 1)); [ "$n" -le 600 ] || { echo "testbed: no key in $key_file after 60 s" >&2; exit 2; }
+        sleep 0.1
+    done
+}
 case "$kind" in software|switch) ;; *) echo "testbed: AGGREGATOR must be software or switch, not $kind" >&2; exit 2;; esac
 run_aggregator() {
     # The software aggregator or the emulated switch; $1: extra options (e.g. simulated loss).
@@ -27,11 +42,12 @@ run_aggregator() {
     idle="${IDLE_EXIT:-15}"
     [ "${TASK:-check}" = train ] && idle="${IDLE_EXIT:-600}"
     exec zerosum aggregator --workers "${WORKERS:-4}" --listen "0.0.0.0:$port" --job "${JOB:-1}" \
-        --idle-exit "$idle" $extra
+        --idle-exit "$idle" --key-file "$key_file" $extra
 }
 
 case "$role" in
 aggregator)
+    [ "$kind" = switch ] || new_key
     extra=""
     kernel_drops=""
     if [ -n "${LOSS:-}" ] && [ "$LOSS" != "0" ]; then
@@ -65,6 +81,12 @@ aggregator)
     exit "$rc"
     ;;
 worker)
+    key_option=""
+    if [ "$kind" = software ]; then
+        wait_for_key
+        key_option="--key-file $key_file"
+        ZEROSUM_KEY="$(cat "$key_file")"; export ZEROSUM_KEY
+    fi
     if [ "${TASK:-check}" = train ]; then
         # The training example across containers: one process per container, rank 0 is the master.
         python3 -c "import torch" 2>/dev/null || { echo "testbed: TASK=train needs an image built with WITH_TORCH=1" >&2; exit 2; }
@@ -78,7 +100,7 @@ worker)
     [ "$kind" = switch ] && wire="--block-size 64 --max-entries 1 --bind 0.0.0.0:${WORKER_PORT:-48880}"
     exec zerosum check --rank "${RANK:?set RANK}" --world "${WORKERS:-4}" $wire \
         --aggregators ${AGGREGATORS:-aggregator:48879} --job "${JOB:-1}" --size "${SIZE:-1000000}" \
-        --densities "${DENSITIES:-1.0,0.1,0.01}" --timeout "${TIMEOUT:-60}" --results /results
+        --densities "${DENSITIES:-1.0,0.1,0.01}" --timeout "${TIMEOUT:-60}" --results /results $key_option
     ;;
 *)
     exec "$@"

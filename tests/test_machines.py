@@ -213,11 +213,14 @@ def test_aggregator_round_duplicate_and_shadow():
 def test_join_rules():
     agg = AggregatorMachine(7, 2, slots=4)
     j = lambda rank, nonce, world=2, B=4: P.encode(P.Header(P.JOIN, 7, rank, world, nonce, 0, B))
-    assert replies(agg, j(0, 1, world=3), "a") == []            # wrong world size
+    (dest, no), = replies(agg, j(0, 1, world=3), "a")           # wrong world size: refused (R-J6)
+    assert dest == ["a"] and P.parse_header(no)[0] == P.REFUSED and P.parse_header(no)[3] == 2
+    assert P.REFUSED_BODY.unpack(P.decode(no).body) == (P.REFUSED_CONFLICT, 0, 0, 0)
     assert replies(agg, j(2, 1), "a") == []                     # rank out of range
     (_, ack), = replies(agg, j(0, 1), "a")
     assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b01)
-    assert replies(agg, j(1, 2, B=8), "b") == []                # block size differs from the job's
+    (_, no), = replies(agg, j(1, 2, B=8), "b")                  # block size differs from the job's
+    assert P.parse_header(no)[0] == P.REFUSED and P.parse_header(no)[6] == 4
     (_, ack), = replies(agg, j(1, 2), "b")
     assert P.JOIN_ACK_BODY.unpack(P.decode(ack).body) == (4, 0b11)
     (_, ack), = replies(agg, j(0, 3), "c")                      # rank 0 restarted: a new run

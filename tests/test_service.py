@@ -82,8 +82,11 @@ def test_datagrams_for_no_job_and_declared_world_mismatch_are_counted_drops():
     data = P.encode(P.Header(P.DATA, 9, 0, 2, 1, 4, 4, 0))
     assert exchange(s, data, "x") == [] and s.counters["drop_foreign_job"] == 1
     assert exchange(s, b"\x01", "x") == [] and s.counters["drop_short"] == 1
-    joins = _join(s, 5, 2)                # job 5 is declared with 3 workers: a world of 2 is not admitted
-    assert not any(m.done for m in joins) and 5 not in s.jobs and s.counters["drop_join_world"] == 4
+    # job 5 is declared with 3 workers: a JOIN with a world of 2 is refused, naming the declaration
+    with pytest.raises(ZeroSumRefused, match=r"job 5 exists there with world 3 \(no rank joined it yet\), "
+                                             r"this rank has world 2"):
+        _join(s, 5, 2)
+    assert 5 not in s.jobs and s.counters["drop_join_world"] == 1
     assert all(m.done for m in _join(s, 5, 3))
 
 
