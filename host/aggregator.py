@@ -169,7 +169,7 @@ class AggregatorServer:
                 data = bytes(rx.buf[i, off:off + size])
                 self.service.receive(data, T.address_of(int(rx.source[i])), now)
             off += int(rx.seg[i])
-            if off >= rx.length[i]:
+            if off >= rx.length[i]:         # (an empty datagram too: its seg is 0)
                 i, off = i + 1, 0
         for job in self.service.jobs.values():
             heard = job.machine.table.state

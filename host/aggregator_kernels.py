@@ -384,6 +384,8 @@ def _run(t, k, fd, rx, n, i, off, job_ids, tx, loss):
     of all its arrays updated, atomically, at every turn.)"""
     while i < n:
         length, seg = rx.length[i], rx.seg[i]
+        if length == 0:
+            return i, off                   # an empty datagram: Python counts it (drop_short)
         source = rx.source[i]
         row = rx.buf[i]
         while off < length:
@@ -414,6 +416,8 @@ def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
     rx = T.raw_rx(rx)
     tx = T.raw_tx(tx)
     while i < n:
+        if rx.length[i] == 0:
+            break                           # an empty datagram: for Python (drop_short)
         if off >= rx.length[i]:
             i += 1
             off = 0

@@ -194,6 +194,10 @@ class AggregatorMachine:
             self._refuse_block_size(source)
             return
         member = s.members.get(rank)
+        if member is not None and member.nonce == nonce and member.address != source and not member.left:
+            # R-J4: the rank's own JOIN again, from elsewhere: a replay (its answer would move the rank)
+            self.count("drop_replay")
+            return
         if member is not None and member.nonce != nonce:
             # R-J3: a new incarnation of a registered rank: a new run of the job starts from scratch.
             self.count("job_restarts")
