@@ -266,7 +266,7 @@ COLUMNS = [
     ("dens", "density, the fraction of non-zero blocks"),
     ("ZS s", "ZeroSum allreduce seconds (median over rounds of the slowest rank)"),
     ("gloo s", "the same for torch gloo's allreduce"),
-    ("ratio", "gloo s / ZS s (above 1: ZeroSum is faster)"),
+    ("speedup", "gloo s / ZS s (above 1: ZeroSum is faster)"),
     ("wire MB", "UDP payload a worker sends per allreduce"),
     ("ring MB", "what gloo's ring sends per worker"),
     ("retx", "entries retransmitted in the timed allreduces (all workers)"),
@@ -346,7 +346,7 @@ def run_from_args(args) -> int:
             raise ValueError("--mtu runs workers and aggregators on hosts in network namespaces: it "
                              f"{available()}")
     if any(w > MAX_WORLD for w in args.workers):
-        raise ValueError(f"--workers must be at most {MAX_WORLD}, got {max(args.workers)}")
+        raise ValueError(f"--worlds must be at most {MAX_WORLD}, got {max(args.workers)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     console = Console()

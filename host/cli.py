@@ -1,20 +1,44 @@
-"""The `zerosum` command: aggregator, bench, demo, check."""
+"""The `zerosum` command: aggregator (the software aggregator), stats (ask one for its counters), demo
+(the main job on loopback), bench (the OmniReduce microbenchmark against gloo), check (one rank of a
+multi-host correctness run) and switch (the emulated P4 switch)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
 import sys
+import textwrap
 from .argtypes import positive_int as _positive_int, rate as _rate
 
 from . import protocol as P
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" not in text and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
-    """Bad arguments give one line on stderr, not a usage dump or a traceback."""
+    """Bad arguments give one line on stderr, not a usage dump or a traceback; --help shows defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+COUNTERS_HELP = textwrap.fill(
+    "The answer (and the aggregator counters in bench.json) holds `counters`, the totals including ended "
+    "jobs, the slot pool (`slots`, `slots_in_use`) and per job its `world`, `slots`, `members` and "
+    "`counters`. The counters, by name: " + ", ".join(P.spec.COUNTERS) + ". What each one counts: "
+    "docs/protocol.md, \"Counters\" (drops are named after the rule that dropped the datagram).", 100)
 
 
 def _densities(text):
@@ -35,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--workers", type=_positive_int, default=None,
                    help="declare job --job with this many workers (its JOINs must match); jobs are also "
                         "created by their workers' JOINs")
-    a.add_argument("--listen", default=f"0.0.0.0:{P.DEFAULT_PORT}", help="HOST:PORT to listen on")
+    a.add_argument("--listen", default=f"0.0.0.0:{P.DEFAULT_PORT}",
+                   help="HOST:PORT, HOST, :PORT or PORT to listen on (off loopback: needs --key-file)")
     a.add_argument("--job", type=int, default=1, help="the job --workers declares")
     a.add_argument("--jobs", metavar="FILE",
                    help='declare several jobs: a JSON object {"JOB": WORKERS, ...}, e.g. {"1": 4, "7": 2}')
@@ -73,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the bound address when ready and the counters as JSON at exit (for scripts)")
 
     def bench_args(b, *, densities, rounds, workers):
-        b.add_argument("--workers", type=_positive_int, nargs="+", default=workers,
-                       help="world sizes to run (processes on loopback)")
+        b.add_argument("--worlds", "--workers", dest="workers", type=_positive_int, nargs="+", default=workers,
+                       metavar="N", help="world sizes to run, one after another (worker processes on loopback)")
         b.add_argument("--densities", type=_densities, default=densities,
                        help="comma-separated fractions of non-zero blocks")
         b.add_argument("--size", type=_positive_int, default=26_214_400, help="floats per tensor")
-        b.add_argument("--block-size", type=_positive_int, default=256)
+        b.add_argument("--block-size", type=_positive_int, default=256, help="values per block")
         b.add_argument("--aggregators", type=_positive_int, default=1, help="aggregator processes")
         b.add_argument("--slots", type=_positive_int, default=2048, help="slots per aggregator")
         b.add_argument("--rounds", type=_positive_int, default=rounds, help="timed allreduces per density")
@@ -105,25 +130,28 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="OmniReduce microbenchmark: ZeroSum vs torch gloo allreduce")
     bench_args(b, densities=[1.0, 0.8, 0.4, 0.2, 0.1, 0.04, 0.01], rounds=3, workers=[2, 4, 8])
     c = sub.add_parser("check", help="one rank of a multi-host correctness run (exit 1 on any wrong sum)")
-    c.add_argument("--rank", type=int, required=True)
-    c.add_argument("--world", type=_positive_int, required=True)
-    c.add_argument("--aggregators", nargs="+", default=[f"127.0.0.1:{P.DEFAULT_PORT}"], metavar="HOST:PORT")
-    c.add_argument("--job", type=int, default=1)
+    c.add_argument("--rank", type=int, required=True, help="this process's rank, 0..world-1")
+    c.add_argument("--world", type=_positive_int, required=True, help="the number of ranks")
+    c.add_argument("--aggregators", nargs="+", default=[f"127.0.0.1:{P.DEFAULT_PORT}"], metavar="HOST:PORT",
+                   help="the aggregators (the same list, in the same order, on every rank)")
+    c.add_argument("--job", type=int, default=1, help="the job id (the same on every rank)")
     c.add_argument("--size", type=_positive_int, default=1_000_000, help="floats per tensor")
-    c.add_argument("--densities", type=_densities, default=[1.0, 0.1, 0.01])
-    c.add_argument("--block-size", type=_positive_int, default=256)
+    c.add_argument("--densities", type=_densities, default=[1.0, 0.1, 0.01],
+                   help="comma-separated fractions of non-zero blocks, one allreduce each")
+    c.add_argument("--block-size", type=_positive_int, default=256, help="values per block")
     c.add_argument("--max-entries", type=_positive_int, default=0xFFFF,
                    help="blocks per datagram (a switch takes 1, with --block-size 64)")
     c.add_argument("--bind", default="0.0.0.0:0", metavar="IP:PORT",
                    help="send from this address (a switch knows its workers by source address)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="seed of the tensors (the same on every rank)")
     c.add_argument("--loss", type=_rate, default=0.0, help="simulated loss at this worker")
     c.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before failing")
     c.add_argument("--results", default="", help="directory for rank-N.json")
     c.add_argument("--key-file", metavar="FILE",
                    help="the secret shared with the aggregators (their --key-file): JOINs carry its HMAC")
-    st = sub.add_parser("stats", help="ask a running aggregator for its counters (JSON on stdout)")
-    st.add_argument("address", metavar="HOST:PORT")
+    st = sub.add_parser("stats", help="ask a running aggregator for its counters (JSON on stdout)",
+                        epilog=COUNTERS_HELP)
+    st.add_argument("address", metavar="HOST:PORT", help="the aggregator's address")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     d = sub.add_parser("demo", help="the main job: aggregator + 4 workers on loopback, a few densities")
     bench_args(d, densities=[1.0, 0.1, 0.01], rounds=3, workers=[4])
@@ -135,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)    # not its font cache's notes
     try:
         if args.command == "aggregator":
             return _aggregator(args)

@@ -222,9 +222,9 @@ class Worker:
             if all(m.heard):
                 raise
             # an aggregator never answered: it may be a switch that does not know this worker
-            address = "%s:%d" % self.sock.getsockname()
-            raise ZeroSumTimeout(f"{e} (a switch also needs its block size, 64, and this worker's address "
-                                 f"{address} in its membership table)") from None
+            silent = next(a for a, heard in enumerate(m.heard) if not heard)
+            raise ZeroSumTimeout(f"{e}; a switch answers only the workers in its membership table, with "
+                                 f"block size 64: this worker sends from {self._source_to(silent)}") from None
         self.slots = m.slots
         self._leave = m.leave()
         sends = [self.aggregator_names[a] for a, f in enumerate(m.features) if f & P.FEATURE_MULTICAST]
@@ -233,6 +233,19 @@ class Worker:
                                "this worker the group it was started with (Worker(multicast='GROUP:PORT'), "
                                "ZEROSUM_MULTICAST)")
         # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
+
+    def _source_to(self, aggregator: int) -> str:
+        """The address (IP:PORT) this worker's datagrams to `aggregator` come from, as the aggregator
+        sees it (the socket may be bound to the wildcard address)."""
+        ip, port = self.sock.getsockname()[:2]
+        if ip == "0.0.0.0":
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                try:
+                    probe.connect(self.aggregators[aggregator])
+                    ip = probe.getsockname()[0]
+                except OSError:
+                    pass
+        return f"{ip}:{port}"
 
     # -- allreduce ----------------------------------------------------------------------------------
     def allreduce(self, x, out=None, *, average: bool = False):

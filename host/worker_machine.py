@@ -134,9 +134,12 @@ class JoinMachine:
         names = self.cfg.aggregator_names or [f"#{a}" for a in range(len(self.joined))]
         silent = [n for n, h in zip(names, self.heard) if not h]
         if silent:
+            heard = [n for n, h in zip(names, self.heard) if h]
             return (f"rank {self.cfg.rank}: no answer to JOIN from aggregator {', '.join(silent)} within "
-                    f"{self.cfg.timeout:.1f} s (is it running for job {self.cfg.job} with --workers "
-                    f"{self.cfg.world}?")
+                    f"{self.cfg.timeout:.1f} s" + (f" ({', '.join(heard)} answered)" if heard else "")
+                    + ": is it running, and reachable from here? (a software aggregator answers every JOIN "
+                    f"of job {self.cfg.job}, or refuses it with the reason, but ignores JOINs without its "
+                    "--key-file's key" + (")" if self.cfg.key is None else ": check that it has this key)"))
         missing = sorted({r for j in self.joined for r in range(self.cfg.world) if not (j >> r) & 1})
         return (f"rank {self.cfg.rank}: ranks {', '.join(map(str, missing))} did not join job "
                 f"{self.cfg.job} within {self.cfg.timeout:.1f} s")

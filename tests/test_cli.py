@@ -78,3 +78,38 @@ def test_aggregator_jobs_file_declares_several_jobs_and_refuses_bad_ones(tmp_pat
         args = build_parser().parse_args(["aggregator", "--jobs", str(bad)])
         with pytest.raises(ValueError, match=message):
             _declared_jobs(args)
+
+
+def test_help_shows_defaults_and_explains_every_option():
+    from zerosum.cli import build_parser
+    r = zerosum("aggregator", "--help")
+    for default in ("0.0.0.0:48879", "(default: 8192)", "(default: 16)", "(default: 64)", "(default: 2048)",
+                    "(default: 60.0)", "(default: 30.0)"):
+        assert default in " ".join(r.stdout.split()), default
+    assert "(default: 256)" in zerosum("bench", "--help").stdout
+    top = zerosum("--help").stdout
+    assert all(name in top.split("positional")[0] for name in ("aggregator", "stats", "demo", "bench", "check",
+                                                               "switch"))
+    parser = build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            assert action.help, f"zerosum {name} {'/'.join(action.option_strings) or action.dest} has no help"
+
+
+def test_bench_takes_worlds_and_stats_help_names_every_counter():
+    from zerosum import spec
+    from zerosum.cli import build_parser
+    assert build_parser().parse_args(["bench", "--worlds", "2", "4"]).workers == [2, 4]
+    text = " ".join(zerosum("stats", "--help").stdout.split())
+    assert all(name in text for name in spec.COUNTERS) and "docs/protocol.md" in text
+
+
+def test_join_timeout_message_names_what_the_worker_knows():
+    import zerosum as zs
+    from zerosum.udp import free_port
+    with pytest.raises(zs.ZeroSumTimeout) as e:
+        with zs.Worker(0, 2, [f"127.0.0.1:{free_port(2)}"], job=7, timeout=0.3):
+            pass
+    msg = str(e.value)
+    assert "no answer to JOIN from aggregator 127.0.0.1:" in msg and "--workers" not in msg
+    assert msg.count("(") == msg.count(")") and "0.0.0.0" not in msg and "this worker sends from 127.0.0.1:" in msg
