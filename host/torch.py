@@ -559,12 +559,29 @@ class ZeroSumProcessGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta):
         super().__init__(rank, world_size)
         self._rank, self._world = rank, world_size
+        self._group_name = self._group_desc = ""
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
         self.worker, self.local_aggregator = worker_from_env(store, rank, world_size)
         self._lock = worker_lock(self.worker)    # shared with a DDP hook or an averager on this worker
 
     def getBackendName(self):
         return "zerosum"
+
+    # The name torch gives the group (dist.new_group, destroy_process_group): a ProcessGroup keeps it in
+    # its registered backends, and this one has none (its collectives are these Python methods).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def size(self):
         return self._world
