@@ -302,3 +302,19 @@ def test_cuda_device_path():
         assert torch.equal(y.cpu(), torch.from_numpy(reference_allreduce([x.cpu().numpy()])))
     finally:
         a.stop()
+
+
+@pytest.mark.parametrize("mode", ["plain", "find_unused_parameters", "static_graph", "no_sync", "join"])
+def test_ddp_on_a_zerosum_process_group_trains_like_gloo(mode):
+    """DistributedDataParallel(model) on the `zerosum` backend (not the hook): every rank ends with the
+    same parameters bit for bit, and they match gloo's within fixed-point rounding."""
+    from torch_procs import ddp_on_backend
+    zs = spawn(ddp_on_backend, 2, free_port(), "zerosum", mode, 6)
+    gloo = spawn(ddp_on_backend, 2, free_port(), "gloo", mode, 6)
+    for a, b in zip(zs[0][0], zs[1][0]):
+        assert a.tobytes() == b.tobytes()
+    for a, b in zip(zs[0][0], gloo[0][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(zs[0][1], gloo[0][1], rtol=1e-4)
+    assert len(zs[1][1]) == 6 + (1 if mode == "join" else 0)
+    assert zs[0][2] > 0 and zs[1][2] > 0

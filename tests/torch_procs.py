@@ -412,3 +412,70 @@ def delayed_sgd(rank, world, port, steps, lr):
             {k: v.numpy() for k, v in left.items()}
     finally:
         dist.destroy_process_group()
+
+
+class _Branchy:
+    """An MLP with a branch that some steps skip (for find_unused_parameters)."""
+
+    @staticmethod
+    def build(seed):
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(seed)
+                self.a = torch.nn.Linear(20, 32)
+                self.b = torch.nn.Linear(32, 1)
+                self.extra = torch.nn.Linear(32, 1)     # used on even steps only
+
+            def forward(self, x, use_extra=True):
+                h = torch.relu(self.a(x))
+                out = self.b(h)
+                return out + self.extra(h) if use_extra else out
+        return Net()
+
+
+def ddp_on_backend(rank, world, port, backend, mode, steps):
+    """DistributedDataParallel on a process group of `backend` ("zerosum" or "gloo"), in one of the
+    modes: plain, find_unused_parameters, static_graph, no_sync (gradient accumulation over two
+    micro-batches) or join (uneven inputs: rank r has r more batches, under torch's Join). Returns the
+    final parameters and the losses."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import zerosum.torch  # noqa: F401  (registers the backend)
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = DDP(_Branchy.build(0), find_unused_parameters=mode == "find_unused_parameters",
+                static_graph=mode == "static_graph", bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+
+    def step(i):
+        x, y = torch.randn(16, 20, generator=g), torch.randn(16, 1, generator=g)
+        use_extra = mode != "find_unused_parameters" or i % 2 == 0
+        opt.zero_grad()
+        if mode == "no_sync":
+            x2, y2 = torch.randn(16, 20, generator=g), torch.randn(16, 1, generator=g)
+            with model.no_sync():
+                torch.nn.functional.mse_loss(model(x2), y2).backward()
+        loss = torch.nn.functional.mse_loss(model(x, use_extra), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+
+    if mode == "join":
+        with Join([model]):
+            for i in range(steps + rank):
+                step(i)
+    else:
+        for i in range(steps):
+            step(i)
+    params = [p.detach().numpy().copy() for p in model.parameters()]
+    pg = dist.distributed_c10d._get_default_group()
+    sent = pg.worker.stats.bytes_sent if backend == "zerosum" else 0     # the buckets went through ZeroSum
+    dist.destroy_process_group()
+    return params, losses, sent
