@@ -437,5 +437,5 @@ class AllreduceMachine:
                         f"{'them' if len(ranks) > 1 else 'it'}; is it dead?)")
         names = sorted({self._agg_name(c) for c in pending[~heard]} or {self._agg_name(pending[0])})
         return (f"{head}: no answer from aggregator {', '.join(names)} "
-                f"(is it running, and started with --workers {self.cfg.world}? A job its JOINs created ends "
-                f"after the aggregator's --job-idle seconds without traffic)")
+                "(is it still running, and reachable? A job its JOINs created ends after the aggregator's "
+                "--job-idle seconds without traffic)")
