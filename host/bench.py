@@ -267,7 +267,7 @@ COLUMNS = [
     ("ZS s", "ZeroSum allreduce seconds (median over rounds of the slowest rank)"),
     ("gloo s", "the same for torch gloo's allreduce"),
     ("speedup", "gloo s / ZS s (above 1: ZeroSum is faster)"),
-    ("wire MB", "UDP payload a worker sends per allreduce"),
+    ("ZS MB", "UDP payload a ZeroSum worker sends per allreduce"),
     ("ring MB", "what gloo's ring sends per worker"),
     ("retx", "entries retransmitted in the timed allreduces (all workers)"),
     ("wkr µs/dg", "CPU µs per datagram sent or received, in a worker process"),

@@ -292,7 +292,8 @@ def test_a_worker_with_the_wrong_block_size_gets_a_clear_error():
     base = free_port(socket.SOCK_DGRAM)
     sw, fe, stop = _udp_switch(1, base)
     try:
-        with pytest.raises(zerosum.ZeroSumTimeout, match="a switch also needs its block size, 64"):
+        with pytest.raises(zerosum.ZeroSumTimeout, match="a switch answers only the workers in its membership table, with block size 64: this worker "
+                           "sends from 127.0.0.1:"):
             with zerosum.Worker(0, 1, [f"127.0.0.1:{fe.address[1]}"], block_size=256,
                                 bind=f"127.0.0.1:{base}", timeout=1.0):
                 pass
