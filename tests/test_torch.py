@@ -318,3 +318,12 @@ def test_ddp_on_a_zerosum_process_group_trains_like_gloo(mode):
     np.testing.assert_allclose(zs[0][1], gloo[0][1], rtol=1e-4)
     assert len(zs[1][1]) == 6 + (1 if mode == "join" else 0)
     assert zs[0][2] > 0 and zs[1][2] > 0
+
+
+def test_backend_work_objects_and_coalesced_allreduce():
+    from torch_procs import backend_work_objects
+    res = spawn(backend_work_objects, 2, free_port())
+    for t, got, m, parts in res:
+        assert np.array_equal(t, np.arange(500, dtype=np.float32) * 3) and np.array_equal(got, t)
+        assert np.array_equal(m, np.full(3, 1.0))
+        assert np.array_equal(parts[0], np.full(4, 3.0)) and np.array_equal(parts[1], np.full(2, 3.0))

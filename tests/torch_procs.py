@@ -479,3 +479,23 @@ def ddp_on_backend(rank, world, port, backend, mode, steps):
     sent = pg.worker.stats.bytes_sent if backend == "zerosum" else 0     # the buckets went through ZeroSum
     dist.destroy_process_group()
     return params, losses, sent
+
+
+def backend_work_objects(rank, world, port):
+    """Work objects of a zerosum process group: async all_reduce through ZeroSum and delegated to gloo,
+    wait / is_completed / get_future, and a coalesced allreduce."""
+    import torch
+    import torch.distributed as dist
+    import zerosum.torch  # noqa: F401  (registers the backend)
+    dist.init_process_group("zerosum", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = torch.arange(500, dtype=torch.float32) * (rank + 1)
+    work = dist.all_reduce(t, async_op=True)                          # through ZeroSum
+    assert work.wait() and work.is_completed()
+    (got,) = work.get_future().wait()
+    m = torch.full((3,), float(rank))
+    w2 = dist.all_reduce(m, op=dist.ReduceOp.MAX, async_op=True)      # delegated to gloo
+    w2.get_future().wait()
+    parts = [torch.ones(4) * (rank + 1), torch.ones(2) * (rank + 1)]
+    dist.all_reduce_coalesced(parts)
+    dist.destroy_process_group()
+    return t.numpy(), got.numpy(), m.numpy(), [p.numpy() for p in parts]
