@@ -179,8 +179,7 @@ class AggregatorMachine:
     def _join(self, rank: int, world: int, nonce: int, block_size: int, source) -> None:
         s = self.state
         if world != s.world:                                       # R-V9, R-J6: refused, naming the job's
-            self.count("drop_join_world")
-            self._outbox.append(([source], refusal(s.job, s.world, s.block_size if s.members else 0)))
+            self._refuse("drop_join_world", source)
             return
         if rank >= s.world:                                        # R-V9
             self.count("drop_join_world")
@@ -188,23 +187,21 @@ class AggregatorMachine:
         if not 1 <= block_size <= self.max_block_size:
             self.count("drop_join_block_size")
             return
-        # R-V9 before R-J3 (as the switch checks): a JOIN of another block size never restarts a job that
-        # is running; it is refused, naming the job's (R-J6).
-        if s.members and block_size != s.block_size and not self.idle:
-            self._refuse_block_size(source)
-            return
         member = s.members.get(rank)
+        restart = member is not None and member.nonce != nonce     # R-J3: a new incarnation of the rank
+        # R-V9 before R-J3 (as the switch checks): a JOIN of another block size is refused, naming the
+        # job's (R-J6); it restarts the job only once every rank has left.
+        if s.members and block_size != s.block_size and not (restart and self.idle):
+            self._refuse("drop_join_block_size", source)
+            return
         if member is not None and member.nonce == nonce and member.address != source and not member.left:
             # R-J4: the rank's own JOIN again, from elsewhere: a replay (its answer would move the rank)
             self.count("drop_replay")
             return
-        if member is not None and member.nonce != nonce:
-            # R-J3: a new incarnation of a registered rank: a new run of the job starts from scratch.
+        if restart:
+            # R-J3: a new run of the job starts from scratch.
             self.count("job_restarts")
             s.members.clear()
-        if s.members and block_size != s.block_size:
-            self._refuse_block_size(source)
-            return
         if not s.members:
             s.allocate(block_size, self.counters.array)
             self.table = s.table
@@ -215,9 +212,12 @@ class AggregatorMachine:
         header = P.Header(P.JOIN_ACK, s.job, P.AGGREGATOR_RANK, s.world, nonce, features, s.block_size, 0)
         self._outbox.append(([source], P.encode(header, body=P.JOIN_ACK_BODY.pack(s.slots, s.joined_bitmap))))
 
-    def _refuse_block_size(self, source) -> None:
-        self.count("drop_join_block_size")                         # R-V9, R-J6
-        self._outbox.append(([source], refusal(self.state.job, self.state.world, self.state.block_size)))
+    def _refuse(self, counter: str, source) -> None:
+        """R-J6: REFUSED, reason CONFLICT, naming the job's world and block size (0: no member yet)."""
+        s = self.state
+        self.count(counter)
+        self._outbox.append(([source], P.refused(s.job, s.world, s.block_size if s.members else 0,
+                                                 P.REFUSED_CONFLICT)))
 
     def _addresses(self) -> None:
         """The members' addresses as the compiled driver knows them (ip << 16 | port), where they are
@@ -249,12 +249,6 @@ class AggregatorMachine:
                     [m.address for _, m in sorted(self.state.members.items())])
         self._outbox += [(everyone if to_all else [source], wire[a:b].tobytes())
                          for a, b, to_all in t.cuts[:n].tolist()]
-
-
-def refusal(job: int, world: int, block_size: int) -> bytes:
-    """REFUSED, reason CONFLICT: job `job` exists here with this world and block size (R-J6)."""
-    header = P.Header(P.REFUSED, job, P.AGGREGATOR_RANK, world, 0, 0, block_size, 0)
-    return P.encode(header, body=P.REFUSED_BODY.pack(P.REFUSED_CONFLICT, 0, 0, 0))
 
 
 def _address_key(address) -> int:

@@ -10,8 +10,9 @@ ends, and its slots return to the pool, when all its ranks have sent LEAVE or (u
 when it has been silent for `job_idle` seconds or its ranks have not all joined within `join_timeout`
 seconds of its first JOIN (R-J7: a stray JOIN cannot hold a job id; ended by `datagrams_to_send(now)`
 once `now` reaches `timer()`, and logged). A JOIN whose world or block size disagrees with its job's is
-answered with REFUSED naming the job's (R-J6), so that its worker fails at once with the reason; a job's state is its own AggregatorMachine, so one job's traffic (loss, garbage,
-a dead rank, a JOIN storm) never touches another job's slots.
+answered with REFUSED naming the job's (R-J6), so that its worker fails at once with the reason. A job's
+state is its own AggregatorMachine, so one job's traffic (loss, garbage, a dead rank, a JOIN storm) never
+touches another job's slots.
 
 Admission: with a `key`, a JOIN must carry HMAC-SHA256(key, its header) (else drop_auth), and a nonce
 this rank has not used before unless it is the current one (else drop_replay), so nobody without the
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import protocol as P
-from .aggregator_machine import COUNTERS, AggregatorMachine, refusal
+from .aggregator_machine import COUNTERS, AggregatorMachine
 
 # a job's traffic that its machine accepted (keeps the job from expiring)
 _DATAGRAMS, _JOINS, _LEAVES = (COUNTERS.index(name) for name in ("datagrams", "joins", "leaves"))
@@ -154,7 +155,7 @@ class AggregatorService:
             if ptype == P.JOIN and job.machine.state.joined_bitmap == (1 << job.machine.state.world) - 1:
                 job.join_deadline = float("inf")                    # R-J7: every rank joined
         if ptype == P.LEAVE and job.machine.idle:
-            self._end(job_id)
+            self._end(job_id, now)
 
     def datagrams_to_send(self, now: float, *, results: bool = True) -> list[tuple[list, bytes]]:
         """End the jobs silent for job_idle seconds, then everything to send: the service's replies and
@@ -183,7 +184,7 @@ class AggregatorService:
         # than job_idle must not end it under its live workers; it ends when all its ranks LEAVE.
         gone = [(job, j) for job, j in self.jobs.items() if now >= self._ends_at(job, j)]
         for job, j in gone:
-            self._end(job)
+            self._end(job, now)
             if now >= j.join_deadline:
                 self.service_counters["jobs_join_timeout"] += 1
                 log.info("job %d ended: ranks %s of %d did not join within %.1f s", job,
@@ -220,15 +221,14 @@ class AggregatorService:
             return None, None
         if declared is not None and world != declared:
             self._drops["drop_join_world"] += 1                     # R-J6: refused, naming the declaration
-            return None, refusal(job_id, declared, 0)
+            return None, P.refused(job_id, declared, 0, P.REFUSED_CONFLICT)
         free = self.slots - self.slots_in_use
         share = self.slots // (len(self.jobs) + 1)
         quota = min(free, self.max_job_slots, max(self.min_job_slots, share))
         if len(self.jobs) >= self.max_jobs or quota < self.min_job_slots:
             self.service_counters["joins_refused"] += 1            # R-J6
-            header = P.Header(P.REFUSED, job_id, P.AGGREGATOR_RANK, world, 0, 0, block_size, 0)
-            body = P.REFUSED_BODY.pack(P.REFUSED_FULL, len(self.jobs), self.slots_in_use, self.slots)
-            return None, P.encode(header, body=body)
+            return None, P.refused(job_id, world, block_size, P.REFUSED_FULL, len(self.jobs),
+                                   self.slots_in_use, self.slots)
         machine = AggregatorMachine(job_id, world, slots=quota, max_block_size=self.max_block_size,
                                     max_datagram=self.max_datagram, multicast=self.multicast)
         deadline = now + self.join_timeout if self.join_timeout and declared is None else float("inf")
@@ -236,9 +236,9 @@ class AggregatorService:
         self.service_counters["jobs_started"] += 1
         return self.jobs[job_id], None
 
-    def _end(self, job_id: int) -> None:
+    def _end(self, job_id: int, now: float) -> None:
         job = self.jobs.pop(job_id)
-        self._outbox += job.machine.datagrams_to_send(0.0)     # what it still had to say
+        self._outbox += job.machine.datagrams_to_send(now)     # what it still had to say
         self._ended += job.machine.counters.array
         self.service_counters["jobs_ended"] += 1
 

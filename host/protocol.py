@@ -148,6 +148,13 @@ def encode(header: Header, entries: np.ndarray | None = None, data: np.ndarray |
     return bytes(buf) + body
 
 
+def refused(job: int, world: int, block_size: int, reason: int, jobs: int = 0, in_use: int = 0,
+            slots: int = 0) -> bytes:
+    """REFUSED (R-J6): the job, the world and block size its header carries, and the body."""
+    header = Header(REFUSED, job, AGGREGATOR_RANK, world, 0, 0, block_size, 0)
+    return encode(header, body=REFUSED_BODY.pack(reason, jobs, in_use, slots))
+
+
 _EMPTY_ROWS = np.zeros((0, 0), WIRE_VALUE)
 
 
