@@ -31,7 +31,7 @@ import numpy as np
 
 from zerosum import protocol as P
 from zerosum.aggregator import request_stats
-from zerosum.local import CTX, LocalAggregator, new_key
+from zerosum.local import CTX, LocalAggregator, memory, new_key
 from zerosum.reference import reference_allreduce
 from zerosum.udp import parse_address
 
@@ -89,7 +89,6 @@ class Stranger:
         self.sent = collections.Counter()       # kind -> datagrams
         self.expected = collections.Counter()   # counter -> datagrams
         self.replays: list[bytes] = []
-        self.stop_at = float("inf")
 
     def header(self, ptype, job, rank=0, world=WORLD, epoch=None, blocks=0, block_size=BLOCK, entries=0):
         epoch = self.rng.getrandbits(32) if epoch is None else epoch
@@ -134,17 +133,7 @@ class Stranger:
             if d in self.replays:
                 return "drop_replay"    # a ranks's current JOIN from another address
             return "drop_auth"          # no MAC, or a wrong one
-        if ptype == P.LEAVE:
-            return "drop_not_member" if job in JOBS else "drop_foreign_job"
-        return "drop_not_member" if job in JOBS else "drop_foreign_job"
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+        return "drop_not_member" if job in JOBS else "drop_foreign_job"     # DATA or LEAVE of a stranger
 
 
 def rcvbuf_errors() -> int:
@@ -176,7 +165,7 @@ def main(argv=None) -> int:
 
     def sample():
         while not stop.wait(2.0):
-            samples.append(rss_kib(agg.proc.pid))
+            samples.append(memory("VmRSS", agg.proc.pid) // 1024)
     threading.Thread(target=sample, daemon=True).start()
     start = time.monotonic()
     reports = []

@@ -24,15 +24,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from netsim import ServiceJob, run  # noqa: E402  (the in-memory lossy network of the test suite)
 from zerosum import protocol as P  # noqa: E402
 from zerosum.aggregator_service import AggregatorService  # noqa: E402
+from zerosum.local import memory  # noqa: E402
 from zerosum.reference import reference_allreduce  # noqa: E402
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = memory("VmRSS")
+    return rss / 2**20 if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def cycle(service, rng, first_job, now) -> bool:

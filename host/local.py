@@ -26,16 +26,23 @@ ANNOUNCE = "zerosum-aggregator-listening"
 SNAPSHOT = "zerosum-aggregator-snapshot"
 
 
-def peak_rss() -> int:
-    """Peak resident memory of this process. (ru_maxrss would include the parent it was forked from.)"""
+def memory(field: str = "VmRSS", pid: int | str = "self") -> int | None:
+    """A process's memory figure from /proc/PID/status in bytes (VmRSS: resident now, VmHWM: its peak),
+    None where there is no /proc."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process. (ru_maxrss would include the parent it was forked from.)"""
+    peak = memory("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def cpu_seconds() -> float:

@@ -470,6 +470,13 @@ def path_mtu(address: tuple[str, int]) -> int | None:
         return None
 
 
+def local_ip(address: tuple[str, int]) -> str:
+    """This host's address on the route to `address`: where a socket bound to 0.0.0.0 sends from."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(address)
+        return s.getsockname()[0]
+
+
 def datagram_limit(addresses, cap: int) -> int:
     """The largest UDP payload that reaches every address without IP fragments: path MTU - 28 (IPv4 and
     UDP headers), at most `cap` (65,507 on loopback, whose MTU is 65,536)."""

@@ -156,10 +156,7 @@ class Worker:
         reaches the first aggregator."""
         if not self._features.batched:
             raise ZeroSumError("multicast results need batched I/O (Linux, ZEROSUM_IO other than plain)")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(self.aggregators[0])
-            interface = probe.getsockname()[0]
-        self._group = T.multicast_receiver(self.multicast, interface, 16 << 20)
+        self._group = T.multicast_receiver(self.multicast, T.local_ip(self.aggregators[0]), 16 << 20)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -239,12 +236,10 @@ class Worker:
         sees it (the socket may be bound to the wildcard address)."""
         ip, port = self.sock.getsockname()[:2]
         if ip == "0.0.0.0":
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                try:
-                    probe.connect(self.aggregators[aggregator])
-                    ip = probe.getsockname()[0]
-                except OSError:
-                    pass
+            try:
+                ip = T.local_ip(self.aggregators[aggregator])
+            except OSError:
+                pass
         return f"{ip}:{port}"
 
     # -- allreduce ----------------------------------------------------------------------------------
