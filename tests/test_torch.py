@@ -320,10 +320,11 @@ def test_ddp_on_a_zerosum_process_group_trains_like_gloo(mode):
     assert zs[0][2] > 0 and zs[1][2] > 0
 
 
-def test_backend_work_objects_and_coalesced_allreduce():
+def test_backend_work_objects_coalesced_allreduce_and_subgroups():
     from torch_procs import backend_work_objects
     res = spawn(backend_work_objects, 2, free_port())
-    for t, got, m, parts in res:
+    for rank, (t, got, m, parts, alone) in enumerate(res):
+        assert np.array_equal(alone, np.full(3, float(rank + 1)))         # its own subgroup of one
         assert np.array_equal(t, np.arange(500, dtype=np.float32) * 3) and np.array_equal(got, t)
         assert np.array_equal(m, np.full(3, 1.0))
         assert np.array_equal(parts[0], np.full(4, 3.0)) and np.array_equal(parts[1], np.full(2, 3.0))

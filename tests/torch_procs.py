@@ -497,5 +497,10 @@ def backend_work_objects(rank, world, port):
     w2.get_future().wait()
     parts = [torch.ones(4) * (rank + 1), torch.ones(2) * (rank + 1)]
     dist.all_reduce_coalesced(parts)
+    own, groups = dist.new_subgroups(group_size=1)                   # one subgroup per rank
+    alone = torch.full((3,), float(rank + 1))
+    dist.all_reduce(alone, group=own)
+    for g in groups:
+        dist.destroy_process_group(g)
     dist.destroy_process_group()
-    return t.numpy(), got.numpy(), m.numpy(), [p.numpy() for p in parts]
+    return t.numpy(), got.numpy(), m.numpy(), [p.numpy() for p in parts], alone.numpy()
