@@ -174,7 +174,8 @@ class CollectedBlocks:
     def __init__(self, dtype, block_size: int, capacity: int = 64):
         self.dtype = np.dtype(dtype)
         self.block_size = block_size
-        self.count = np.zeros(3, np.int64)     # the kernel's counters: duplicates, rows used, columns done
+        self.count = np.zeros(4, np.int64)     # the kernel's counters: duplicates, rows used, columns done,
+        #                                       blocks of the sum with data
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:

@@ -287,7 +287,7 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     RESULT entries for a column's current round store their sums (dequantised, divided by `divisor`
     when averaging) in `out_values` (block b at b*B, or, with `collect`, at the next free row, its block
     in out_blocks; counts[1] rows used), advance the column and mark it ready (counts[2] counts columns
-    that reached END); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
+    that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
     violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
     """
@@ -341,6 +341,7 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
                 _store_ints(words, limit - dst, out_values, dst)
             else:
                 _store_floats(words, limit - dst, exp - precision, divisor, out_values, dst)
+            counts[3] += 1
         if sent_data:
             mine_pos[c] += 1
         round_block[c] = nxt

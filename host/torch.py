@@ -19,6 +19,8 @@ environment variables:
                          aggregator's, about the link's bandwidth-delay product plus what its port queues
     ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
     ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
+    ZEROSUM_PATHS        zerosum (default): every SUM allreduce through ZeroSum; auto: each one through
+                         ZeroSum or gloo's ring, whichever is faster at its density (zerosum.hybrid)
 
 The hook's state goes into training checkpoints (`HookState.state_dict()` / `load_state_dict()`), and
 the hook works under torch's `Join` context manager (uneven inputs). Periodic model averaging (local
@@ -27,6 +29,7 @@ SGD) is in `zerosum.sync`.
 import os
 import random
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed import AllreduceOptions, ReduceOp
 
+from . import hybrid
 from .worker import Worker
 
 __all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup", "worker_from_env", "default_worker",
@@ -229,13 +233,20 @@ class HookState:
     (which DDP rebuilds into the same groups). Take the state dict between iterations (after
     `optimizer.step()`), like the model's and the optimizer's.
 
+    Paths (``paths="auto"``): each bucket goes through ZeroSum or through the ring (``ring``, a gloo
+    process group: by default the DDP model's, or the gloo side of a `zerosum` one), whichever this job's
+    measurements say is faster at the bucket's block density; ``paths`` is then a
+    zerosum.hybrid.PathChoice (``paths.report()``: buckets and bytes per path, each bucket's times and
+    density), None with the default ``paths="zerosum"``. Every rank takes the same path for every bucket.
+
     Join (uneven inputs): DDP's join hook calls this hook with zero buckets for the ranks that ran out
     of data, in the same order, so every rank makes the same allreduces; a joined rank's zero gradient
     has no blocks to send. The hook divides by the initial world size, i.e. it supports
     `Join(..., divide_by_initial_world_size=True)` (the default); with False it fails at once.
     """
 
-    def __init__(self, worker: Worker | None = None, compressor=None, model=None):
+    def __init__(self, worker: Worker | None = None, compressor=None, model=None, *, paths: str = "zerosum",
+                 ring=None):
         worker = default_worker() if worker is None else worker
         group = getattr(model, "process_group", None)
         if isinstance(group, ZeroSumProcessGroup) and group.worker is worker and \
@@ -263,6 +274,8 @@ class HookState:
         self._next = 0
         self._where: dict = {}        # name -> (_Held, offset, numel) while replaying
         self._held: list = []
+        self.ring = ring if ring is not None or paths == "zerosum" else ring_of(model)
+        self.paths = path_choice(paths, self.ring)
 
     def key(self, bucket) -> tuple:
         """The names of the bucket's parameters, in the order of its buffer."""
@@ -381,15 +394,23 @@ class HookState:
         order) over the ranks, in place: the plain average, or the compressor's estimate. Runs on the
         background thread, in the same order on every rank."""
         if self.compressor is None:
-            # Averaged as the blocks arrive: no second pass over the (mostly zero) bucket.
-            with self.lock:
-                return self.worker.allreduce(buffer, out=buffer, average=True)
+            if self.paths is None:
+                # Averaged as the blocks arrive: no second pass over the (mostly zero) bucket.
+                with self.lock:
+                    return self.worker.allreduce(buffer, out=buffer, average=True)
+            if reduce_on_chosen_path(self.paths, key, buffer, self.worker, self.lock, self.ring, average=True):
+                buffer.div_(self.worker.world_size)     # the ring's sum; ZeroSum averaged as it went
+            return buffer
         self.adopt(key, sizes)         # here, after the previous bucket's compress is done
         # Compressors work on host arrays; they return the averaged estimate themselves.
         grad = buffer.detach().cpu().numpy()
         contribution = self.compressor.compress(grad, key)
-        with self.lock:
-            summed = self.worker.allreduce(contribution)
+        if self.paths is None:
+            with self.lock:
+                summed = self.worker.allreduce(contribution)
+        else:   # the contribution decides the density, and so the path
+            summed = np.ascontiguousarray(contribution).copy()
+            reduce_on_chosen_path(self.paths, key, torch.from_numpy(summed), self.worker, self.lock, self.ring)
         estimate = self.compressor.decompress(summed, self.worker.world_size, key)
         buffer.copy_(torch.from_numpy(np.ascontiguousarray(estimate, np.float32)).reshape(buffer.shape))
         return buffer
@@ -493,14 +514,100 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     return fut
 
 
-def register(ddp_model, worker: Worker | None = None, compressor=None) -> HookState:
+def register(ddp_model, worker: Worker | None = None, compressor=None, *, paths: str = "zerosum",
+             ring=None) -> HookState:
     """Send `ddp_model`'s gradient buckets through `worker` (an open zerosum.Worker; default: the
     worker of the `zerosum` default process group), optionally compressed by a
     zerosum.compression.Compressor, its state kept per set of parameters in a bucket and carried over
-    when DDP rebuilds its buckets (see HookState)."""
-    state = HookState(worker, compressor, model=ddp_model)
+    when DDP rebuilds its buckets (see HookState). paths="auto": each bucket through ZeroSum or the
+    ring (a gloo group; default: the model's), whichever is faster at its density (zerosum.hybrid)."""
+    state = HookState(worker, compressor, model=ddp_model, paths=paths, ring=ring)
     ddp_model.register_comm_hook(state, allreduce_hook)
     return state
+
+
+# -- per-bucket paths: ZeroSum or the ring (zerosum.hybrid) ----------------------------------------
+
+def ring_of(model=None):
+    """The gloo group of the ring path: the DDP model's process group (the gloo side of a `zerosum`
+    one), else the default process group's."""
+    group = getattr(model, "process_group", None)
+    if group is None and dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
+    return group.gloo if isinstance(group, ZeroSumProcessGroup) else group
+
+
+def ring_allreduce(group, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
+    """`tensor` reduced over `group` in place (its own collective, not the default group's)."""
+    opts = AllreduceOptions()
+    opts.reduceOp = op
+    group.allreduce([tensor], opts).wait()
+
+
+def path_choice(paths: str, ring) -> "hybrid.PathChoice | None":
+    """paths="zerosum": None (every allreduce through ZeroSum); "auto": a PathChoice whose agreements
+    (the maximum over ranks) run on `ring`."""
+    if paths == "zerosum":
+        return None
+    if paths != "auto":
+        raise ValueError(f"paths must be 'zerosum' or 'auto', got {paths!r}")
+    if ring is None:
+        raise ValueError("paths='auto' needs a ring: a gloo process group (ring=...), or "
+                         "torch.distributed initialised with one")
+
+    def agree(values):
+        t = torch.tensor(np.asarray(values, np.float64))
+        ring_allreduce(ring, t, ReduceOp.MAX)
+        return t.numpy()
+    return hybrid.PathChoice(agree)
+
+
+def union_density(t: torch.Tensor, block_size: int) -> float:
+    """The share of t's blocks of `block_size` values that hold a non-zero value."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    full = n // block_size * block_size
+    nonzero = int((flat[:full].view(-1, block_size) != 0).any(1).sum())
+    if n > full and bool((flat[full:] != 0).any()):
+        nonzero += 1
+    return nonzero / max(1, -(-n // block_size))
+
+
+CALIBRATION_VALUES = (1 << 16, 1 << 21)    # the calibration buffer: a bucket's size within these
+
+
+def reduce_on_chosen_path(paths, key, tensor: torch.Tensor, worker: Worker, lock, ring,
+                          average: bool = False) -> bool:
+    """Sum `tensor` (contiguous, on the CPU) over the ranks in place, through ZeroSum (averaged with
+    `average`) or through the ring, as `paths` chooses for `key`; timed and reported to `paths`. The
+    first call calibrates `paths` (a few ZeroSum allreduces of a zero and a dense buffer). Returns
+    whether the ring took it (then the sum is not averaged)."""
+    if paths.base is None:
+        n = min(max(tensor.numel(), CALIBRATION_VALUES[0]), CALIBRATION_VALUES[1])
+
+        def timed(density):
+            x = torch.zeros(n) if density == 0 else torch.ones(n)
+            with lock:
+                start = time.perf_counter()
+                worker.allreduce(x, out=x)
+                return time.perf_counter() - start
+        timed(1.0)                       # warm: the first allreduce of a size allocates
+        paths.calibrate(timed)
+    path = paths.choose(key)
+    start = time.perf_counter()
+    if path == hybrid.RING:
+        ring_allreduce(ring, tensor)
+        seconds = time.perf_counter() - start
+        density = union_density(tensor, worker.block_size) if paths.scan_due(key, path) else None
+    else:
+        with lock:
+            start = time.perf_counter()
+            worker.allreduce(tensor, out=tensor, average=average)
+            seconds = time.perf_counter() - start
+        union, blocks = worker.last_union
+        density = union / blocks if blocks else 0.0
+    paths.observe(key, path, tensor.numel() * tensor.element_size(), seconds, density)
+    return path == hybrid.RING
 
 
 # -- configuration from the environment -------------------------------------------------------------
@@ -563,6 +670,9 @@ class ZeroSumProcessGroup(dist.ProcessGroup):
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
         self.worker, self.local_aggregator = worker_from_env(store, rank, world_size)
         self._lock = worker_lock(self.worker)    # shared with a DDP hook or an averager on this worker
+        # ZEROSUM_PATHS=auto: each allreduce through ZeroSum or gloo's ring (zerosum.hybrid), keyed by
+        # its size and dtype (a DDP model's buckets, for instance)
+        self.paths = path_choice(os.environ.get("ZEROSUM_PATHS", "zerosum"), self.gloo)
 
     def getBackendName(self):
         return "zerosum"
@@ -596,8 +706,12 @@ class ZeroSumProcessGroup(dist.ProcessGroup):
             return self.gloo.allreduce(tensors, opts)
         fut = torch.futures.Future()
         try:
-            with self._lock:
-                for t in tensors:
+            for t in tensors:
+                if self.paths is not None and not t.is_sparse and t.is_contiguous():
+                    reduce_on_chosen_path(self.paths, ("all_reduce", t.numel(), str(t.dtype)), t, self.worker,
+                                          self._lock, self.gloo)
+                    continue
+                with self._lock:
                     if t.is_sparse:
                         # like gloo: the coalesced sum replaces the input; cost follows its values
                         t.copy_(self.worker.allreduce(t))

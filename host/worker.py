@@ -116,6 +116,9 @@ class Worker:
         self.epoch = 0
         self.gather_on_device = gather_on_device
         self._rtt = None      # (srtt, rttvar) carried from one allreduce to the next
+        # (blocks of the last allreduce's sum that hold data, blocks of its tensor): the union density of
+        # the ranks' non-zero blocks, the same on every rank
+        self.last_union = (0, 0)
         self._leave = None    # the LEAVE datagram, once joined
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -359,12 +362,14 @@ class Worker:
     def _reduce(self, source: BlockSource, sink, average: bool = False) -> None:
         """One allreduce: a new epoch, then the state machine until every column is done."""
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
+        self.last_union = (0, source.nblocks)
         if source.nblocks:
             layout = Layout(len(self.aggregators), self.slots, source.nblocks,
                             self._column_orders.get(source.nblocks))
             m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, rtt=self._rtt)
             self._run(m)
             self._rtt = (m.srtt, m.rttvar)
+            self.last_union = (m.union_blocks, source.nblocks)
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:

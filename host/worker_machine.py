@@ -191,7 +191,7 @@ class AllreduceMachine:
             # datagrams are built here: at most one per column, each at most max_datagram bytes
             out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
-            counts=output.count if output.collect else np.zeros(3, np.int64),
+            counts=output.count if output.collect else np.zeros(4, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1], np.float64),
             i=np.zeros(18, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
@@ -228,6 +228,9 @@ class AllreduceMachine:
     base_rto = property(lambda self: float(self.st.f[K.F_BASE_RTO]))
     bytes_sent = property(lambda self: int(self.st.i[K.I_BYTES_SENT]))
     remaining = property(lambda self: int(self.st.i[K.I_REMAINING]))
+    # blocks of the sum that hold data so far: the union of the ranks' non-zero blocks, identical on every
+    # rank once the allreduce is done
+    union_blocks = property(lambda self: int(self.st.counts[3]))
 
     @property
     def srtt(self):

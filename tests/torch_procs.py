@@ -1,6 +1,7 @@
 """Process bodies for the torch tests (module level, so spawned processes can import them)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import traceback
 
@@ -70,19 +71,21 @@ def ddp_training(rank, world, port, aggregator, use_hook, steps):
     import zerosum.torch as zt
     _init_gloo(rank, world, port)
     torch.set_num_threads(1)
+    hybrid = isinstance(use_hook, str) and use_hook.startswith("hybrid")
     model = DDP(_model(0), bucket_cap_mb=0.05)
     worker = state = None
     if use_hook:
         worker = zerosum.Worker(rank, world, [aggregator])
         worker.open()
         compressor = None
-        if use_hook == "topk":
+        if use_hook in ("topk", "hybrid-topk"):
             from zerosum.compression import TopKBlocks
             compressor = TopKBlocks(density=0.2)
-        state = zt.register(model, worker, compressor=compressor)
+        state = zt.register(model, worker, compressor=compressor,
+                            paths="auto" if hybrid else "zerosum")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
-    losses = []
+    losses, digests = [], []
     for _ in range(steps):
         idx = torch.randint(0, 5000, (32, 4), generator=g)
         y = torch.randn(32, 1, generator=g)
@@ -91,11 +94,16 @@ def ddp_training(rank, world, port, aggregator, use_hook, steps):
         loss.backward()
         opt.step()
         losses.append(float(loss))
+        digests.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
     params = [p.detach().numpy().copy() for p in model.parameters()]
+    report = None
     if state is not None:
         state.close()
+        report = state.paths.report() if state.paths is not None else None
         worker.close()
     dist.destroy_process_group()
+    if hybrid:
+        return params, losses, digests, report
     return params, losses
 
 
@@ -504,3 +512,26 @@ def backend_work_objects(rank, world, port):
         dist.destroy_process_group(g)
     dist.destroy_process_group()
     return t.numpy(), got.numpy(), m.numpy(), [p.numpy() for p in parts], alone.numpy()
+
+
+def backend_paths(rank, world, port, calls):
+    """ZEROSUM_PATHS=auto: the same all_reduce `calls` times (each the exact integer sum on either path);
+    returns the sums and the paths' report."""
+    import torch
+    import torch.distributed as dist
+    os.environ["ZEROSUM_PATHS"] = "auto"
+    import zerosum.torch  # noqa: F401  (registers the backend)
+    dist.init_process_group("zerosum", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    pg = dist.distributed_c10d._get_default_group()
+    sums = []
+    for call in range(calls):
+        t = torch.zeros(40_000)
+        t[rank * 1000: rank * 1000 + 3000] = torch.arange(3000, dtype=torch.float32) + call   # sparse: 3 of 157 blocks
+        dist.all_reduce(t)
+        ti = torch.full((5000,), rank + call, dtype=torch.int32)                             # dense
+        dist.all_reduce(ti)
+        sums.append((t.numpy().copy(), ti.numpy().copy()))
+    report = pg.paths.report()
+    dist.barrier()
+    dist.destroy_process_group()
+    return sums, report

@@ -104,6 +104,7 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
             "warmup_steps": args.warmup, "batch": args.batch,
             "bytes_sent_per_step": sent, "bytes_received_per_step": received, "retransmitted_entries": resent,
             "identical_on_all_ranks": len({float(g) for g in gathered}) == 1,
+            **({"paths": run.paths.report()} if run.paths is not None else {}),
         })
     if rank == 0:
         gap = _loss_curve_gap(reports)

@@ -5,6 +5,8 @@ several side by side (`--schemes local,gloo,zerosum,topk:0.01,localsgd:8`).
                      communication; not a training scheme, the floor the others are measured against)
     gloo             DDP's own allreduce (gloo's ring)
     zerosum          DDP with ZeroSum's hook, every step (zerosum.torch.register)
+    hybrid           the same hook choosing per bucket between ZeroSum and gloo's ring, whichever is
+                     faster at the bucket's density (register(..., paths="auto"); zerosum.hybrid)
     topk:D           ZeroSum + top-k blocks with error feedback, density D (TopKBlocks)
     dgc:D            ZeroSum + deep gradient compression, final density D (DGC, its warm-up schedule)
     qsgd:S           ZeroSum + QSGD with S levels (QSGD)
@@ -33,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zerosum.torch as zt
 
 COMPRESSORS = ("topk", "dgc", "qsgd", "terngrad", "efsign", "diana")
-NAMES = ("local", "gloo", "zerosum", *COMPRESSORS, "localsgd", "delayed")
+NAMES = ("local", "gloo", "zerosum", "hybrid", *COMPRESSORS, "localsgd", "delayed")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Attached:
     model: torch.nn.Module
     after_step: callable = lambda params: None
     closers: list = field(default_factory=list)
+    paths: object = None        # the hook's zerosum.hybrid.PathChoice (scheme hybrid)
 
     def close(self) -> None:
         for close in self.closers:
@@ -107,8 +110,11 @@ class Scheme:
             state = sync.DelayedGradientState(worker, model=model)
             model.register_comm_hook(state, sync.delayed_gradient_hook)
             return Attached(model, closers=[state.flush, state.close])
-        state = zt.register(model, worker, self.compressor(world, rank, seed))
-        return Attached(model, closers=[state.close])
+        state = zt.register(model, worker, self.compressor(world, rank, seed),
+                            paths="auto" if self.kind == "hybrid" else "zerosum")
+        run = Attached(model, closers=[state.close])
+        run.paths = state.paths
+        return run
 
 
 def _diana(world, rank, seed, share, kept):
