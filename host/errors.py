@@ -15,3 +15,15 @@ class ProtocolViolation(ZeroSumError):
 
 class ZeroSumRefused(ZeroSumError):
     """An aggregator refused to admit the job (it serves as many jobs or slots as it can)."""
+
+
+class AggregatorSilent(ZeroSumTimeout):
+    """An aggregator answered nothing for the worker's `silence` seconds while the worker was waiting for
+    it (docs/protocol.md, R-L7): it is dead, restarted or unreachable, not merely waiting for a slower
+    rank (that it would say, answering probes with STATUS). `received` is a bool per block of the
+    allreduce's tensor: True where the output already holds the final sum (R-L7: those blocks are final
+    on this rank; everywhere else the output still holds this rank's input), or None."""
+
+    def __init__(self, message: str, received=None):
+        super().__init__(message)
+        self.received = received

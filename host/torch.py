@@ -21,6 +21,8 @@ environment variables:
     ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
     ZEROSUM_PATHS        zerosum (default): every SUM allreduce through ZeroSum; auto: each one through
                          ZeroSum or gloo's ring, whichever is faster at its density (zerosum.hybrid)
+    ZEROSUM_SILENCE      seconds of an aggregator's silence after which an allreduce fails at once with
+                         AggregatorSilent (Worker(silence=...), docs/protocol.md R-L7)
 
 The hook's state goes into training checkpoints (`HookState.state_dict()` / `load_state_dict()`), and
 the hook works under torch's `Join` context manager (uneven inputs). Periodic model averaging (local
@@ -41,6 +43,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from . import hybrid
+from .errors import AggregatorSilent, ZeroSumError
 from .worker import Worker
 
 __all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup", "worker_from_env", "default_worker",
@@ -276,6 +279,12 @@ class HookState:
         self._held: list = []
         self.ring = ring if ring is not None or paths == "zerosum" else ring_of(model)
         self.paths = path_choice(paths, self.ring)
+        self.failover = None
+        self._seq = 0                 # buckets reduced so far (the same count on every rank)
+        if self.paths is not None:
+            if self.worker.config.silence is None:
+                self.worker.set_silence(SILENCE)
+            self.failover = Failover(self.worker, self.ring, self.lock)
 
     def key(self, bucket) -> tuple:
         """The names of the bucket's parameters, in the order of its buffer."""
@@ -389,7 +398,31 @@ class HookState:
                               "(or ddp_model.join(divide_by_initial_world_size=True), the default)")
         return None
 
-    def reduce(self, buffer: torch.Tensor, key: tuple, sizes: tuple) -> torch.Tensor:
+    def _reduce_surviving(self, tensor: torch.Tensor, key: tuple, average: bool, last: bool) -> None:
+        """paths="auto": the bucket through its chosen path, or through the ring while the aggregator is
+        gone, or finished from the pieces after it failed (Failover); the agreement at the iteration's end."""
+        f, seq = self.failover, self._seq
+        self._seq += 1
+        agreed = False
+        if f.before(seq, tensor, average):
+            pass
+        elif f.down:
+            ring_allreduce(self.ring, tensor)
+            if average:
+                tensor.div_(self.worker.world_size)
+            f.ring_buckets += 1
+        else:
+            try:
+                if reduce_on_chosen_path(self.paths, key, tensor, self.worker, self.lock, self.ring, average=average) \
+                        and average:
+                    tensor.div_(self.worker.world_size)     # the ring's sum; ZeroSum averaged as it went
+            except AggregatorSilent as e:
+                agreed = f.failed(seq, tensor, e.received, average)
+        f.completed(seq, tensor)
+        if last and not agreed:
+            f.end_of_iteration(seq)
+
+    def reduce(self, buffer: torch.Tensor, key: tuple, sizes: tuple, last: bool = True) -> torch.Tensor:
         """Average `buffer` (the gradients of the parameters `key`, of `sizes` elements, in this
         order) over the ranks, in place: the plain average, or the compressor's estimate. Runs on the
         background thread, in the same order on every rank."""
@@ -398,8 +431,7 @@ class HookState:
                 # Averaged as the blocks arrive: no second pass over the (mostly zero) bucket.
                 with self.lock:
                     return self.worker.allreduce(buffer, out=buffer, average=True)
-            if reduce_on_chosen_path(self.paths, key, buffer, self.worker, self.lock, self.ring, average=True):
-                buffer.div_(self.worker.world_size)     # the ring's sum; ZeroSum averaged as it went
+            self._reduce_surviving(buffer, key, True, last)
             return buffer
         self.adopt(key, sizes)         # here, after the previous bucket's compress is done
         # Compressors work on host arrays; they return the averaged estimate themselves.
@@ -410,7 +442,7 @@ class HookState:
                 summed = self.worker.allreduce(contribution)
         else:   # the contribution decides the density, and so the path
             summed = np.ascontiguousarray(contribution).copy()
-            reduce_on_chosen_path(self.paths, key, torch.from_numpy(summed), self.worker, self.lock, self.ring)
+            self._reduce_surviving(torch.from_numpy(summed), key, False, last)
         estimate = self.compressor.decompress(summed, self.worker.world_size, key)
         buffer.copy_(torch.from_numpy(np.ascontiguousarray(estimate, np.float32)).reshape(buffer.shape))
         return buffer
@@ -506,7 +538,7 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
 
     def run():
         try:
-            fut.set_result(state.reduce(buffer, key, sizes))
+            fut.set_result(state.reduce(buffer, key, sizes, last))
         except BaseException as e:   # the training loop sees it when it waits on the Future
             fut.set_exception(e)
 
@@ -574,6 +606,7 @@ def union_density(t: torch.Tensor, block_size: int) -> float:
 
 
 CALIBRATION_VALUES = (1 << 16, 1 << 21)    # the calibration buffer: a bucket's size within these
+SILENCE = 1.0     # paths="auto": seconds of an aggregator's silence after which the ranks go on without it
 
 
 def reduce_on_chosen_path(paths, key, tensor: torch.Tensor, worker: Worker, lock, ring,
@@ -610,6 +643,136 @@ def reduce_on_chosen_path(paths, key, tensor: torch.Tensor, worker: Worker, lock
     return path == hybrid.RING
 
 
+class Failover:
+    """Training that survives its aggregator (the hook with paths="auto"): when an aggregator falls silent
+    (AggregatorSilent, R-L7), the ranks agree where they are, finish the bucket it left unfinished from
+    what each rank has, send the following buckets through the ring, and go back to ZeroSum once every
+    rank has joined an aggregator again (Worker.poll_rejoin: a restarted one). No step is lost or applied
+    twice, and every rank applies the same update.
+
+    Where the ranks can be when an aggregator dies: a rank completes bucket k only once every rank has
+    sent all of k, so the ranks stand at most one bucket apart, at k ("failed at k": some of its blocks
+    final, the rest still its input) and at k + 1 (k complete). A rank that completed an iteration's last
+    bucket waits in an agreement before it lets DDP finish the backward pass (`end_of_iteration`, one
+    small ring allreduce per iteration), so the buffer of bucket k is still intact on every rank that
+    completed it. The agreement (`statuses`) tells every rank each rank's position; then:
+
+    - bucket k: if some rank completed it, the lowest such rank broadcasts its result; otherwise it is
+      finished from the pieces (`finish`): blocks that some rank received are final (the maximum over
+      ranks of the received values, identical wherever received), the others are the ring sum of the
+      inputs, which every rank still holds there;
+    - bucket k + 1 is finished the same way by every rank when it gets to it (a rank that had started
+      it holds some final blocks, the others none);
+    - then every bucket goes through the ring until all ranks have rejoined (checked at every iteration's
+      end, in the same agreement).
+    """
+
+    def __init__(self, worker: Worker, ring, lock):
+        self.worker, self.ring, self.lock = worker, ring, lock
+        self.world, self.rank = worker.world_size, worker.rank
+        self.down = False              # the aggregator is gone: every bucket through the ring
+        self.pending: int | None = None   # the bucket every rank finishes from the pieces when it gets to it
+        self.previous = None           # (seq, tensor holding its result) of the last bucket completed
+        self.failures = 0
+        self.recovered = 0             # buckets finished from the pieces or taken from another rank
+        self.ring_buckets = 0          # buckets sent through the ring because the aggregator was gone
+        self.rejoins = 0
+
+    def statuses(self, seq: int, joined: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's position (the first bucket it has not completed) and whether it has rejoined."""
+        v = torch.full((2 * self.world,), -1.0, dtype=torch.float64)
+        v[self.rank] = seq
+        v[self.world + self.rank] = 1.0 if joined else 0.0
+        ring_allreduce(self.ring, v, ReduceOp.MAX)
+        return v[:self.world].numpy().astype(np.int64), v[self.world:].numpy() > 0
+
+    def _take_from_holder(self, seq: int, positions: np.ndarray, tensor: torch.Tensor | None) -> None:
+        """Bucket `seq` from the lowest rank that completed it (every rank calls this)."""
+        src = int(np.flatnonzero(positions > seq)[0])
+        if tensor is None:      # a holder: its result of `seq` is the previous bucket's
+            held_seq, tensor = self.previous
+            assert held_seq == seq, (held_seq, seq)
+        self.ring.broadcast([tensor], src).wait()
+        self.recovered += 1
+
+    def finish(self, tensor: torch.Tensor, received, average: bool) -> None:
+        """Finish a bucket from the pieces (class docstring): `received`, per block, whether this rank's
+        tensor holds its final sum there (None: nowhere, the tensor is all input)."""
+        B = self.worker.block_size
+        n = tensor.numel()
+        nblocks = -(-n // B)
+        mine = torch.zeros(nblocks) if received is None else torch.from_numpy(np.asarray(received, np.float32))
+        anyone = mine.clone()
+        ring_allreduce(self.ring, anyone, ReduceOp.MAX)
+        flat = tensor.view(-1)
+        mine_v = mine.repeat_interleave(B)[:n].bool()
+        anyone_v = anyone.repeat_interleave(B)[:n].bool()
+        final = torch.where(mine_v, flat, torch.tensor(float("-inf"), dtype=flat.dtype))
+        ring_allreduce(self.ring, final, ReduceOp.MAX)
+        inputs = torch.where(anyone_v, torch.zeros((), dtype=flat.dtype), flat)
+        ring_allreduce(self.ring, inputs)
+        if average:
+            inputs.div_(self.world)
+        flat.copy_(torch.where(anyone_v, final, inputs))
+        self.recovered += 1
+
+    def failed(self, seq: int, tensor: torch.Tensor, received, average: bool) -> bool:
+        """This rank's allreduce of bucket `seq` raised AggregatorSilent: agree, then finish it. Returns
+        whether the agreement was the other ranks' end of the iteration (they had completed `seq`, the
+        iteration's last bucket): then this rank's own end-of-iteration agreement has taken place."""
+        self.failures += 1
+        positions, _ = self.statuses(seq)
+        low, high = int(positions.min()), int(positions.max())
+        if high - low > 1:
+            raise ZeroSumError(f"ranks are more than one bucket apart after the aggregator failed "
+                               f"({positions.tolist()}): cannot agree on the buckets to finish")
+        self.down = True
+        if high > low:
+            # bucket `low` from a rank that completed it; the ranks at `high` then finish that one
+            self._take_from_holder(low, positions, tensor if seq == low else None)
+            self.pending = high
+            if seq == high:
+                self.pending = None
+                self.finish(tensor, received, average)
+            return seq == low
+        self.finish(tensor, received, average)
+        return False
+
+    def before(self, seq: int, tensor: torch.Tensor, average: bool) -> bool:
+        """Before bucket `seq`: finish it from the pieces if it is the agreed pending one (returns True:
+        done), else False (send it through the ring when `down`, else by its chosen path)."""
+        if self.pending is not None and seq == self.pending:
+            self.pending = None
+            self.finish(tensor, None, average)
+            return True
+        return False
+
+    def completed(self, seq: int, result: torch.Tensor) -> None:
+        self.previous = (seq, result)
+
+    def end_of_iteration(self, last_seq: int) -> None:
+        """After an iteration's last bucket: the per-iteration agreement (class docstring); while the
+        aggregator is gone, also whether every rank has rejoined one."""
+        joined = True
+        if self.down:
+            with self.lock:
+                joined = self.worker.poll_rejoin()
+        positions, rejoined = self.statuses(last_seq + 1, joined)
+        if positions.min() <= last_seq:           # a rank failed at the last bucket, which this one has
+            self.failures += 1
+            self.down = True
+            self._take_from_holder(int(positions.min()), positions, None)
+            self.pending = last_seq + 1
+            return
+        if self.down and rejoined.all() and self.pending is None:
+            self.down = False
+            self.rejoins += 1
+
+    def report(self) -> dict:
+        return {"failures": self.failures, "recovered_buckets": self.recovered,
+                "ring_buckets_while_down": self.ring_buckets, "rejoins": self.rejoins, "down": self.down}
+
+
 # -- configuration from the environment -------------------------------------------------------------
 
 def worker_from_env(store, rank: int, world_size: int):
@@ -644,6 +807,7 @@ def worker_from_env(store, rank: int, world_size: int):
                     key=key,
                     window=int(os.environ["ZEROSUM_WINDOW"]) if os.environ.get("ZEROSUM_WINDOW") else None,
                     multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
+                    silence=float(os.environ["ZEROSUM_SILENCE"]) if os.environ.get("ZEROSUM_SILENCE") else None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}
                        if os.environ.get("ZEROSUM_MAX_DATAGRAM") else {}))
     worker.open()

@@ -58,13 +58,17 @@ class Worker:
         this worker must queue. None (the default): every column at once, as fast as the socket takes
         them. On a link slower than the aggregator's, give about its bandwidth-delay product plus
         what its switch port (or shaper) can queue, e.g. 250,000 bytes for 50 Mbit/s and a 50 ms queue.
+    silence: seconds after which an aggregator that answers nothing while this worker waits for it is
+        taken as gone (docs/protocol.md, R-L7): the allreduce raises AggregatorSilent at once, saying which
+        blocks of the output are final, instead of waiting for `timeout` (a live aggregator answers
+        probes even while it waits for a slower rank). None (the default): only `timeout`.
     """
 
     def __init__(self, rank: int, world_size: int, aggregators=("127.0.0.1:48879",), job: int = 1,
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int | None = None,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
-                 window: int | None = None, multicast: str | None = None):
+                 window: int | None = None, multicast: str | None = None, silence: float | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -96,6 +100,7 @@ class Worker:
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
                                    window=window)
+        self.set_silence(silence)     # R-L7
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
         self.timeout = timeout
@@ -120,6 +125,7 @@ class Worker:
         # the ranks' non-zero blocks, the same on every rank
         self.last_union = (0, 0)
         self._leave = None    # the LEAVE datagram, once joined
+        self._rejoin = None   # the JoinMachine of poll_rejoin, while it runs
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def __enter__(self) -> "Worker":
@@ -233,6 +239,41 @@ class Worker:
                                "this worker the group it was started with (Worker(multicast='GROUP:PORT'), "
                                "ZEROSUM_MULTICAST)")
         # A rank that joined late may still be re-sending JOIN: the aggregators answer it, not us.
+
+    def set_silence(self, seconds: float | None) -> None:
+        """Set `silence` (see the class docstring) for the allreduces that follow."""
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"silence must be a positive number of seconds or None, got {seconds!r}")
+        self.config.silence = seconds
+        # R-L7: probes at most silence / 3 apart, so that a live aggregator is heard from in time
+        self.config.max_rto = 1.0 if seconds is None else min(1.0, seconds / 3)
+
+    def poll_rejoin(self) -> bool:
+        """Join again, without blocking: send the JOIN when due, take what has arrived, and say whether
+        every rank has joined. The first call starts a new run of the job (a new nonce, R-J3: e.g. at an
+        aggregator restarted after a failure); later calls continue it (and start over once a run of the
+        JOIN timed out). Once True, allreduces go through the aggregators again."""
+        self._check_open()
+        now = time.monotonic()
+        if self._rejoin is None:
+            self._rejoin = JoinMachine(self.config, len(self.aggregators), new_nonce(), now)
+        m = self._rejoin
+        try:
+            self._send_all(m.datagrams_to_send(now))
+            while not m.done:
+                got = self._recv(0.0)
+                if got is None:
+                    break
+                m.receive(got[0], got[1], time.monotonic())
+        except ZeroSumTimeout:
+            self._rejoin = None            # nobody answered within the timeout: the next call starts over
+            return False
+        if not m.done:
+            return False
+        self._rejoin = None
+        self.slots = m.slots
+        self._leave = m.leave()
+        return True
 
     def _source_to(self, aggregator: int) -> str:
         """The address (IP:PORT) this worker's datagrams to `aggregator` come from, as the aggregator

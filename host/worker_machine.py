@@ -25,7 +25,7 @@ import numpy as np
 from . import kernels as K
 from . import protocol as P
 from .blocks import BlockSource, CollectedBlocks, DenseResult
-from .errors import ProtocolViolation, ZeroSumRefused, ZeroSumTimeout
+from .errors import AggregatorSilent, ProtocolViolation, ZeroSumRefused, ZeroSumTimeout
 from .fixedpoint import precision_bits
 from .layout import Layout
 
@@ -47,6 +47,7 @@ class WorkerConfig:
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
     key: bytes | None = None   # shared with the aggregators: JOINs carry an HMAC (docs/protocol.md, "Admission")
     window: int | None = None  # bytes of entries in flight at most (R-L6 in docs/protocol.md); None: every column
+    silence: float | None = None  # R-L7: an aggregator quiet this long while awaited is gone (None: only timeout)
 
 
 class JoinMachine:
@@ -307,6 +308,7 @@ class AllreduceMachine:
         st = self.st
         if self.last_progress + self.cfg.timeout <= now:   # R-L5; the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
+        self._check_silence(now)
         np.less_equal(st.last_heard + self.base_rto, now, out=self._quiet)
         S = self.layout.columns
         for a in range(self.layout.aggregators):
@@ -334,6 +336,28 @@ class AllreduceMachine:
                 st.probe[a] = -1
                 st.loss_confirmed[a] = False
         return self._datagrams(K.encode_columns(st, n))
+
+    def _check_silence(self, now: float) -> None:
+        """R-L7: an aggregator that answered nothing for `silence` seconds while columns wait for it is
+        gone. Probes are answered within a round trip by a live aggregator, and max_rto keeps them at most
+        silence / 3 apart (WorkerConfig), so a live one is heard from at least twice in that time."""
+        if self.cfg.silence is None:
+            return
+        st = self.st
+        for a in range(self.layout.aggregators):
+            cols = self.columns_of[a]
+            if now - st.last_heard[a] >= self.cfg.silence and (st.round_block[cols] != P.END).any():
+                raise AggregatorSilent(
+                    f"allreduce {self.epoch} of rank {self.cfg.rank}: aggregator {self._agg_name_of(a)} answered "
+                    f"nothing for {now - st.last_heard[a]:.1f} s while this rank waited for it (dead, restarted "
+                    "or unreachable)", self.received_blocks())
+
+    def received_blocks(self) -> np.ndarray:
+        """Per block of the tensor: whether its sum is in the output (its column's rounds are past it;
+        a block outside the union counts as received: its sum, zero, is what every output holds there)."""
+        blocks = np.arange(self.layout.nblocks, dtype=np.int64)
+        current = self.st.round_block[self.layout.column_of_block(blocks)]
+        return (current == P.END) | ((current != P.BOOT) & (blocks < current))
 
     def probe_answered(self, a: int, now: float) -> None:
         """After a datagram from aggregator a while a probe is out: did it answer the probe?"""

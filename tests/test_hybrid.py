@@ -160,3 +160,129 @@ def test_backend_all_reduce_chooses_per_call_and_sums_exactly():
     assert used[ZEROSUM]["buckets"] + used[RING]["buckets"] == 2 * calls
     sparse = next(v for k, v in reports[0]["buckets"].items() if "40000" in k)
     assert sparse["density"] == pytest.approx(16 / 157)    # values 0..3999 are non-zero: blocks 0..15 of 157
+
+
+def test_training_survives_the_aggregator_being_killed_and_goes_back_to_it_once_restarted():
+    """The aggregator is SIGKILLed during a backward pass and restarted 2 s later on the same port: the
+    ranks finish the interrupted bucket, train through the ring meanwhile, rejoin, and end with the
+    same parameters on every rank after every step, as a run through gloo alone would (within rounding)."""
+    import threading
+    from procs import Aggregator
+    from zerosum.udp import free_port
+    world, after, kill_at = 2, 20, 5
+    agg = Aggregator(world)
+    restarted, finished = [], threading.Event()
+
+    def restart():
+        agg.proc.wait()
+        finished.wait(2.0)
+        if not finished.is_set():
+            restarted.append(Aggregator(world, listen=agg.address))
+        finished.wait()      # (the aggregator dies with the thread that started it)
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    try:
+        runs = torch_procs.spawn(torch_procs.ddp_surviving, world, free_port(), agg.address, after, kill_at,
+                                 agg.proc.pid)
+    finally:
+        agg.proc.kill()
+        counters = restarted[0].stop() if restarted else {}
+        finished.set()
+        t.join(30)
+    (p0, l0, d0, times, r0), (p1, _, d1, _, r1) = runs
+    assert d0 == d1                                   # identical on both ranks after every step
+    assert r0 == r1
+    assert r0["failover"]["failures"] >= 1 and r0["failover"]["rejoins"] == 1 and not r0["failover"]["down"]
+    assert r0["failover"]["ring_buckets_while_down"] > 0
+    assert counters.get("rounds", 0) > 0              # the restarted aggregator summed the last steps
+    assert r0["back"] is not None and len(l0) == r0["back"] + after
+    plain = torch_procs.spawn(torch_procs.ddp_training, world, free_port(), None, False, len(l0))
+    for a, b in zip(p0, plain[0][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(l0, plain[0][1], rtol=1e-4)
+    assert times[kill_at] < 5.0                       # the failed step, far below the 30 s timeout
+
+
+# -- R-L7 in the worker's machine (sans-IO, simulated time) ----------------------------------------------
+
+def _machines(arrays, agg, silence, block_size=16):
+    from netsim import join_all
+    from zerosum.blocks import BlockSource, DenseResult
+    from zerosum.layout import Layout
+    from zerosum.worker_machine import AllreduceMachine, WorkerConfig
+    slots = join_all([agg], len(arrays), block_size)
+    out = []
+    for r, x in enumerate(arrays):
+        source = BlockSource.dense(x, block_size)
+        cfg = WorkerConfig(rank=r, world=len(arrays), job=agg.state.job, timeout=1e9, block_size=block_size,
+                           silence=silence, max_rto=silence / 3)
+        out.append(AllreduceMachine(cfg, 1, source, Layout(1, min(slots, 4), source.nblocks),
+                                    DenseResult(x.copy())))
+    return out
+
+
+def _drive(machines, agg, end, *, alive=lambda now, n: True, active=None):
+    """Deliver everything in order (no loss) until `end`; the aggregator takes datagrams while
+    alive(now, datagrams taken so far). Returns {rank: (time, AggregatorSilent)} of the ranks that gave up."""
+    from zerosum.errors import AggregatorSilent
+    active = set(range(len(machines))) if active is None else set(active)
+    queue, taken, now, gave_up = [], 0, 0.0, {}
+    for r in active:
+        queue += [("agg", r, bytes(d)) for _, d in machines[r].start(now)]
+    while now < end and any(not machines[r].done for r in active - set(gave_up)):
+        if queue:
+            kind, r, data = queue.pop(0)
+            if kind == "agg":
+                if alive(now, taken):
+                    taken += 1
+                    agg.receive(data, ("w", r), now)
+                    for dests, reply in agg.datagrams_to_send(now):
+                        queue += [("worker", dest, bytes(reply)) for _, dest in dests if dest in active]
+            elif r not in gave_up:
+                machines[r].receive(0, data, now)
+                queue += [("agg", r, bytes(d)) for _, d in machines[r].flush(now)]
+            continue
+        live = [r for r in active - set(gave_up) if not machines[r].done]
+        now = min(machines[r].timer() for r in live)
+        for r in live:
+            try:
+                queue += [("agg", r, bytes(d)) for _, d in machines[r].poll(now)]
+            except AggregatorSilent as e:
+                gave_up[r] = (now, e)
+    return gave_up
+
+
+def _aggregator(world, block_size=16):
+    from zerosum.aggregator_machine import AggregatorMachine
+    return AggregatorMachine(1, world, slots=4)
+
+
+def test_a_live_aggregator_waiting_for_a_slower_rank_is_not_taken_for_dead():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(16 * 40).astype(np.float32) for _ in range(2)]
+    agg = _aggregator(2)
+    machines = _machines(arrays, agg, silence=0.6)
+    assert _drive(machines, agg, end=20.0, active=[0]) == {}      # rank 1 never comes: 20 s of probes
+    assert not machines[0].done and machines[0].probes > 10
+
+
+def test_a_dead_aggregator_is_detected_within_silence_and_the_final_blocks_are_named():
+    from zerosum.reference import reference_allreduce
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(16 * 40).astype(np.float32) for _ in range(2)]
+    for x in arrays:
+        x[16 * 5: 16 * 9] = 0                       # some blocks outside the union
+    expected = reference_allreduce(arrays, 16)
+    agg = _aggregator(2)
+    machines = _machines(arrays, agg, silence=0.6)
+    gave_up = _drive(machines, agg, end=60.0, alive=lambda now, n: n < 12)     # dies after 12 datagrams
+    assert set(gave_up) == {0, 1}
+    for r, (when, e) in gave_up.items():
+        m = machines[r]
+        quiet = when - float(m.last_heard.max())
+        assert 0.6 <= quiet <= 0.6 + 0.2 + 1e-9, quiet            # within silence + max_rto
+        received = np.repeat(e.received, 16)
+        out = m.output.flat
+        assert 0 < e.received.sum() < e.received.size
+        assert np.array_equal(out[received], expected[received])   # final where it says so
+        assert np.array_equal(out[~received], arrays[r][~received])   # the rank's input everywhere else

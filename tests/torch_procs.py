@@ -535,3 +535,53 @@ def backend_paths(rank, world, port, calls):
     dist.barrier()
     dist.destroy_process_group()
     return sums, report
+
+
+def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid):
+    """DDP with the hybrid hook, ZeroSum preferred for every bucket; rank 0 SIGKILLs the aggregator in the
+    middle of step `kill_at` (the test restarts it); training goes on until `after` steps past the ranks'
+    return to ZeroSum (at most 3000 steps). Returns per-step losses and parameter digests, step times,
+    the failover's report and how many buckets took each path."""
+    import signal
+    import threading
+    import time
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import zerosum
+    import zerosum.torch as zt
+    _init_gloo(rank, world, port)
+    torch.set_num_threads(1)
+    model = DDP(_model(0), bucket_cap_mb=0.05)
+    worker = zerosum.Worker(rank, world, [aggregator])
+    worker.open()
+    state = zt.register(model, worker, paths="auto")
+    state.paths.margin = 1e9            # ZeroSum for every bucket while the aggregator lives
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses, digests, times = [], [], []
+    back = None
+    for step in range(3000):
+        if back is None and state.failover.rejoins:
+            back = step                 # agreed: the same step on every rank
+        if back is not None and step >= back + after:
+            break
+        idx = torch.randint(0, 5000, (32, 4), generator=g)
+        y = torch.randn(32, 1, generator=g)
+        opt.zero_grad()
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(idx), y)
+        if step == kill_at and rank == 0:
+            threading.Timer(0.002, os.kill, (aggregator_pid, signal.SIGKILL)).start()   # during the backward
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+        digests.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
+    params = [p.detach().numpy().copy() for p in model.parameters()]
+    state.close()
+    report = {"failover": state.failover.report(), "paths": state.paths.report()["paths"], "back": back}
+    worker.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return params, losses, digests, times, report
