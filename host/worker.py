@@ -252,12 +252,15 @@ class Worker:
         """Join again, without blocking: send the JOIN when due, take what has arrived, and say whether
         every rank has joined. The first call starts a new run of the job (a new nonce, R-J3: e.g. at an
         aggregator restarted after a failure); later calls continue it (and start over once a run of the
-        JOIN timed out). Once True, allreduces go through the aggregators again."""
+        JOIN timed out). Once True, allreduces go through the aggregators again, and it stays True until
+        the next allreduce (a new nonce before then would restart the job under the other ranks' feet)."""
         self._check_open()
         now = time.monotonic()
         if self._rejoin is None:
             self._rejoin = JoinMachine(self.config, len(self.aggregators), new_nonce(), now)
         m = self._rejoin
+        if m.done:
+            return True
         try:
             self._send_all(m.datagrams_to_send(now))
             while not m.done:
@@ -270,7 +273,6 @@ class Worker:
             return False
         if not m.done:
             return False
-        self._rejoin = None
         self.slots = m.slots
         self._leave = m.leave()
         return True
@@ -404,6 +406,7 @@ class Worker:
         """One allreduce: a new epoch, then the state machine until every column is done."""
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
         self.last_union = (0, source.nblocks)
+        self._rejoin = None
         if source.nblocks:
             layout = Layout(len(self.aggregators), self.slots, source.nblocks,
                             self._column_orders.get(source.nblocks))

@@ -67,6 +67,7 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
         opt = OPTIMIZERS[getattr(args, "optimizer", "sgd")](model.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
         losses, clock, t0, before = [], [], None, None
+        ring_while_down = []          # hybrid: buckets sent through the ring while the aggregator was gone, so far
         for step in range(args.steps):
             if step == args.warmup:
                 dist.barrier()
@@ -80,6 +81,8 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
             run.after_step(model.parameters())
             losses.append(loss.item())
             clock.append(None if t0 is None else time.perf_counter() - t0)
+            if run.failover is not None:
+                ring_while_down.append(run.failover.ring_buckets)
         dist.barrier()
         elapsed = time.perf_counter() - t0
         timed = args.steps - args.warmup
@@ -105,6 +108,8 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
             "bytes_sent_per_step": sent, "bytes_received_per_step": received, "retransmitted_entries": resent,
             "identical_on_all_ranks": len({float(g) for g in gathered}) == 1,
             **({"paths": run.paths.report()} if run.paths is not None else {}),
+            **({"failover": run.failover.report(), "ring_buckets_by_step": ring_while_down}
+               if run.failover is not None else {}),
         })
     if rank == 0:
         gap = _loss_curve_gap(reports)

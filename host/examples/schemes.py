@@ -45,6 +45,7 @@ class Attached:
     after_step: callable = lambda params: None
     closers: list = field(default_factory=list)
     paths: object = None        # the hook's zerosum.hybrid.PathChoice (scheme hybrid)
+    failover: object = None     # the hook's zerosum.torch.Failover (scheme hybrid)
 
     def close(self) -> None:
         for close in self.closers:
@@ -112,9 +113,7 @@ class Scheme:
             return Attached(model, closers=[state.flush, state.close])
         state = zt.register(model, worker, self.compressor(world, rank, seed),
                             paths="auto" if self.kind == "hybrid" else "zerosum")
-        run = Attached(model, closers=[state.close])
-        run.paths = state.paths
-        return run
+        return Attached(model, closers=[state.close], paths=state.paths, failover=state.failover)
 
 
 def _diana(world, rank, seed, share, kept):
