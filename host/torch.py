@@ -400,10 +400,10 @@ class HookState:
 
     def _reduce_surviving(self, tensor: torch.Tensor, key: tuple, average: bool, last: bool) -> None:
         """paths="auto": the bucket through its chosen path, or through the ring while the aggregator is
-        gone, or finished from the pieces after it failed (Failover); the agreement at the iteration's end."""
+        gone, or finished from the pieces after it failed (Failover); while it is gone, the agreement at
+        each iteration's end."""
         f, seq = self.failover, self._seq
         self._seq += 1
-        agreed = False
         if f.before(seq, tensor, average):
             pass
         elif f.down:
@@ -417,9 +417,9 @@ class HookState:
                         and average:
                     tensor.div_(self.worker.world_size)     # the ring's sum; ZeroSum averaged as it went
             except AggregatorSilent as e:
-                agreed = f.failed(seq, tensor, e.received, average)
-        f.completed(seq, tensor)
-        if last and not agreed:
+                f.failed(seq, tensor, e.received, average)
+        f.completed(seq, tensor, last)
+        if last:
             f.end_of_iteration(seq)
 
     def reduce(self, buffer: torch.Tensor, key: tuple, sizes: tuple, last: bool = True) -> torch.Tensor:
@@ -652,48 +652,50 @@ class Failover:
 
     Where the ranks can be when an aggregator dies: a rank completes bucket k only once every rank has
     sent all of k, so the ranks stand at most one bucket apart, at k ("failed at k": some of its blocks
-    final, the rest still its input) and at k + 1 (k complete). A rank that completed an iteration's last
-    bucket waits in an agreement before it lets DDP finish the backward pass (`end_of_iteration`, one
-    small ring allreduce per iteration), so the buffer of bucket k is still intact on every rank that
-    completed it. The agreement (`statuses`) tells every rank each rank's position; then:
+    final, the rest still its input) and at k + 1 (k complete). The ranks that fail agree on every rank's
+    position (`statuses`, one small ring allreduce, only after a failure); then:
 
-    - bucket k: if some rank completed it, the lowest such rank broadcasts its result; otherwise it is
-      finished from the pieces (`finish`): blocks that some rank received are final (the maximum over
-      ranks of the received values, identical wherever received), the others are the ring sum of the
-      inputs, which every rank still holds there;
+    - bucket k: if some rank completed it, the lowest such rank broadcasts its result (still in the
+      bucket's buffer: DDP writes into a bucket again only in the next backward pass, which cannot begin
+      before every bucket of this one is done); otherwise it is finished from the pieces (`finish`):
+      blocks that some rank received are final (the maximum over ranks of the received values, identical
+      wherever received), the others are the ring sum of the inputs, which every rank still holds there;
     - bucket k + 1 is finished the same way by every rank when it gets to it (a rank that had started
       it holds some final blocks, the others none);
-    - then every bucket goes through the ring until all ranks have rejoined (checked at every iteration's
-      end, in the same agreement).
+    - then every bucket goes through the ring; at the end of each iteration the ranks agree whether every
+      rank has rejoined, and then go back to ZeroSum.
+
+    One case cannot be repaired: bucket k was the last of its iteration, and a rank that completed it has
+    gone on to the next iteration's backward pass, which overwrote k's buffer (the aggregator would have
+    had to die between sending k's last results to one rank and to another). Then every rank raises the
+    same error instead of applying different updates. Guarding against it would cost an agreement in every
+    iteration (on 2 shared cores one small ring allreduce took ~7 ms a step).
     """
 
     def __init__(self, worker: Worker, ring, lock):
         self.worker, self.ring, self.lock = worker, ring, lock
         self.world, self.rank = worker.world_size, worker.rank
         self.down = False              # the aggregator is gone: every bucket through the ring
+        self.down_since: int | None = None   # the bucket at which it went (the agreed lowest position)
         self.pending: int | None = None   # the bucket every rank finishes from the pieces when it gets to it
-        self.previous = None           # (seq, tensor holding its result) of the last bucket completed
+        self.previous = None           # (seq, tensor holding its result, last of its iteration) of the last
+        #                                bucket completed
         self.failures = 0
         self.recovered = 0             # buckets finished from the pieces or taken from another rank
         self.ring_buckets = 0          # buckets sent through the ring because the aggregator was gone
         self.rejoins = 0
 
-    def statuses(self, seq: int, joined: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's position (the first bucket it has not completed) and whether it has rejoined."""
-        v = torch.full((2 * self.world,), -1.0, dtype=torch.float64)
+    def statuses(self, seq: int, joined: bool = True, previous_last: bool = False):
+        """Every rank's position (the first bucket it has not completed), whether it has rejoined, and
+        whether its previous bucket was the last of an iteration: three vectors over the ranks."""
+        v = torch.full((3 * self.world,), -1.0, dtype=torch.float64)
         v[self.rank] = seq
         v[self.world + self.rank] = 1.0 if joined else 0.0
+        v[2 * self.world + self.rank] = 1.0 if previous_last else 0.0
         ring_allreduce(self.ring, v, ReduceOp.MAX)
-        return v[:self.world].numpy().astype(np.int64), v[self.world:].numpy() > 0
-
-    def _take_from_holder(self, seq: int, positions: np.ndarray, tensor: torch.Tensor | None) -> None:
-        """Bucket `seq` from the lowest rank that completed it (every rank calls this)."""
-        src = int(np.flatnonzero(positions > seq)[0])
-        if tensor is None:      # a holder: its result of `seq` is the previous bucket's
-            held_seq, tensor = self.previous
-            assert held_seq == seq, (held_seq, seq)
-        self.ring.broadcast([tensor], src).wait()
-        self.recovered += 1
+        v = v.numpy()
+        w = self.world
+        return v[:w].astype(np.int64), v[w:2 * w] > 0, v[2 * w:] > 0
 
     def finish(self, tensor: torch.Tensor, received, average: bool) -> None:
         """Finish a bucket from the pieces (class docstring): `received`, per block, whether this rank's
@@ -716,27 +718,34 @@ class Failover:
         flat.copy_(torch.where(anyone_v, final, inputs))
         self.recovered += 1
 
-    def failed(self, seq: int, tensor: torch.Tensor, received, average: bool) -> bool:
-        """This rank's allreduce of bucket `seq` raised AggregatorSilent: agree, then finish it. Returns
-        whether the agreement was the other ranks' end of the iteration (they had completed `seq`, the
-        iteration's last bucket): then this rank's own end-of-iteration agreement has taken place."""
+    def failed(self, seq: int, tensor: torch.Tensor, received, average: bool) -> None:
+        """This rank's allreduce of bucket `seq` raised AggregatorSilent: agree, then finish it."""
         self.failures += 1
-        positions, _ = self.statuses(seq)
+        previous_last = self.previous is not None and self.previous[0] == seq - 1 and self.previous[2]
+        positions, _, lasts = self.statuses(seq, previous_last=previous_last)
         low, high = int(positions.min()), int(positions.max())
         if high - low > 1:
             raise ZeroSumError(f"ranks are more than one bucket apart after the aggregator failed "
                                f"({positions.tolist()}): cannot agree on the buckets to finish")
-        self.down = True
-        if high > low:
-            # bucket `low` from a rank that completed it; the ranks at `high` then finish that one
-            self._take_from_holder(low, positions, tensor if seq == low else None)
+        self.down, self.down_since = True, low
+        if high == low:
+            self.finish(tensor, received, average)
+            return
+        # bucket `low` from a rank that completed it; the ranks at `high` then finish that one
+        src = int(np.flatnonzero(positions == high)[0])
+        if lasts[src]:
+            raise ZeroSumError(
+                f"the aggregator failed while ranks {np.flatnonzero(positions == low).tolist()} waited for the last "
+                f"results of an iteration that ranks {np.flatnonzero(positions == high).tolist()} had completed and "
+                "gone past: that bucket cannot be finished the same way on every rank (restart from a checkpoint)")
+        if seq == low:
+            self.ring.broadcast([tensor], src).wait()
             self.pending = high
-            if seq == high:
-                self.pending = None
-                self.finish(tensor, received, average)
-            return seq == low
-        self.finish(tensor, received, average)
-        return False
+        else:
+            held_seq, held, _ = self.previous
+            self.ring.broadcast([held], src).wait()
+            self.finish(tensor, received, average)
+        self.recovered += 1
 
     def before(self, seq: int, tensor: torch.Tensor, average: bool) -> bool:
         """Before bucket `seq`: finish it from the pieces if it is the agreed pending one (returns True:
@@ -747,25 +756,19 @@ class Failover:
             return True
         return False
 
-    def completed(self, seq: int, result: torch.Tensor) -> None:
-        self.previous = (seq, result)
+    def completed(self, seq: int, result: torch.Tensor, last: bool) -> None:
+        self.previous = (seq, result, last)
 
     def end_of_iteration(self, last_seq: int) -> None:
-        """After an iteration's last bucket: the per-iteration agreement (class docstring); while the
-        aggregator is gone, also whether every rank has rejoined one."""
-        joined = True
-        if self.down:
-            with self.lock:
-                joined = self.worker.poll_rejoin()
-        positions, rejoined = self.statuses(last_seq + 1, joined)
-        if positions.min() <= last_seq:           # a rank failed at the last bucket, which this one has
-            self.failures += 1
-            self.down = True
-            self._take_from_holder(int(positions.min()), positions, None)
-            self.pending = last_seq + 1
+        """After an iteration's last bucket, while the aggregator is gone (and was gone before that bucket,
+        so that every rank gets here): whether every rank has rejoined one; then back to ZeroSum."""
+        if not self.down or self.down_since >= last_seq:
             return
-        if self.down and rejoined.all() and self.pending is None:
-            self.down = False
+        with self.lock:
+            joined = self.worker.poll_rejoin()
+        _, rejoined, _ = self.statuses(last_seq + 1, joined)
+        if rejoined.all() and self.pending is None:
+            self.down, self.down_since = False, None
             self.rejoins += 1
 
     def report(self) -> dict:
