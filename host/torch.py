@@ -335,7 +335,14 @@ class HookState:
                     d.pop(old, None)
 
     def close(self) -> None:
+        """Wait for the buckets in flight; let go of the ring's process group (so that it is destroyed
+        with torch.distributed's, not later, at the interpreter's exit)."""
         self.executor.shutdown(wait=True)
+        self.ring = None
+        if self.failover is not None:
+            self.failover.ring = self.failover.previous = None
+        if self.paths is not None:
+            self.paths.agree = None
 
     # -- checkpoints -------------------------------------------------------------------------------
 
