@@ -23,6 +23,8 @@ environment variables:
                          ZeroSum or gloo's ring, whichever is faster at its density (zerosum.hybrid)
     ZEROSUM_SILENCE      seconds of an aggregator's silence after which an allreduce fails at once with
                          AggregatorSilent (Worker(silence=...), docs/protocol.md R-L7)
+    ZEROSUM_STANDBY      the DDP hook with paths="auto": aggregators (HOST:PORT list) to turn to when the
+                         ones in use failed and have not come back (zerosum.torch.Failover)
 
 The hook's state goes into training checkpoints (`HookState.state_dict()` / `load_state_dict()`), and
 the hook works under torch's `Join` context manager (uneven inputs). Periodic model averaging (local
@@ -249,7 +251,7 @@ class HookState:
     """
 
     def __init__(self, worker: Worker | None = None, compressor=None, model=None, *, paths: str = "zerosum",
-                 ring=None):
+                 ring=None, standby=None):
         worker = default_worker() if worker is None else worker
         group = getattr(model, "process_group", None)
         if isinstance(group, ZeroSumProcessGroup) and group.worker is worker and \
@@ -284,7 +286,9 @@ class HookState:
         if self.paths is not None:
             if self.worker.config.silence is None:
                 self.worker.set_silence(SILENCE)
-            self.failover = Failover(self.worker, self.ring, self.lock)
+            if standby is None and os.environ.get("ZEROSUM_STANDBY"):
+                standby = [a.strip() for a in os.environ["ZEROSUM_STANDBY"].split(",") if a.strip()]
+            self.failover = Failover(self.worker, self.ring, self.lock, standby)
 
     def key(self, bucket) -> tuple:
         """The names of the bucket's parameters, in the order of its buffer."""
@@ -554,13 +558,15 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
 
 
 def register(ddp_model, worker: Worker | None = None, compressor=None, *, paths: str = "zerosum",
-             ring=None) -> HookState:
+             ring=None, standby=None) -> HookState:
     """Send `ddp_model`'s gradient buckets through `worker` (an open zerosum.Worker; default: the
     worker of the `zerosum` default process group), optionally compressed by a
     zerosum.compression.Compressor, its state kept per set of parameters in a bucket and carried over
     when DDP rebuilds its buckets (see HookState). paths="auto": each bucket through ZeroSum or the
-    ring (a gloo group; default: the model's), whichever is faster at its density (zerosum.hybrid)."""
-    state = HookState(worker, compressor, model=ddp_model, paths=paths, ring=ring)
+    ring (a gloo group; default: the model's), whichever is faster at its density (zerosum.hybrid), and
+    training survives the aggregator (Failover), turning to the `standby` aggregators ("HOST:PORT" list;
+    default: ZEROSUM_STANDBY) when the failed ones do not come back."""
+    state = HookState(worker, compressor, model=ddp_model, paths=paths, ring=ring, standby=standby)
     ddp_model.register_comm_hook(state, allreduce_hook)
     return state
 
@@ -670,7 +676,9 @@ class Failover:
     - bucket k + 1 is finished the same way by every rank when it gets to it (a rank that had started
       it holds some final blocks, the others none);
     - then every bucket goes through the ring; at the end of each iteration the ranks agree whether every
-      rank has rejoined, and then go back to ZeroSum.
+      rank has rejoined, and then go back to ZeroSum. With `standby` aggregators, the ranks turn to them
+      (all at the same iteration, by the agreed time down) when the failed ones have not come back within
+      `standby_after` seconds, and back again after as long, until one set answers.
 
     One case cannot be repaired: bucket k was the last of its iteration, and a rank that completed it has
     gone on to the next iteration's backward pass, which overwrote k's buffer (the aggregator would have
@@ -679,8 +687,14 @@ class Failover:
     iteration (on 2 shared cores one small ring allreduce took ~7 ms a step).
     """
 
-    def __init__(self, worker: Worker, ring, lock):
+    def __init__(self, worker: Worker, ring, lock, standby=None, standby_after: float = 2.0):
         self.worker, self.ring, self.lock = worker, ring, lock
+        # aggregators to turn to when the failed ones have not come back within `standby_after` seconds
+        # (the failed ones become the standby in turn)
+        self.standby = list(standby) if standby else None
+        self.standby_after = standby_after
+        self.down_at = 0.0             # when this rank went down (its own clock)
+        self.switched_at = 0.0         # agreed seconds down at the last turn to the standby
         self.world, self.rank = worker.world_size, worker.rank
         self.down = False              # the aggregator is gone: every bucket through the ring
         self.down_since: int | None = None   # the bucket at which it went (the agreed lowest position)
@@ -692,17 +706,19 @@ class Failover:
         self.ring_buckets = 0          # buckets sent through the ring because the aggregator was gone
         self.rejoins = 0
 
-    def statuses(self, seq: int, joined: bool = True, previous_last: bool = False):
+    def statuses(self, seq: int, joined: bool = True, previous_last: bool = False, down_for: float = 0.0):
         """Every rank's position (the first bucket it has not completed), whether it has rejoined, and
-        whether its previous bucket was the last of an iteration: three vectors over the ranks."""
-        v = torch.full((3 * self.world,), -1.0, dtype=torch.float64)
+        whether its previous bucket was the last of an iteration (three vectors over the ranks), and the
+        longest any rank has been down (seconds)."""
+        w = self.world
+        v = torch.full((3 * w + 1,), -1.0, dtype=torch.float64)
         v[self.rank] = seq
-        v[self.world + self.rank] = 1.0 if joined else 0.0
-        v[2 * self.world + self.rank] = 1.0 if previous_last else 0.0
+        v[w + self.rank] = 1.0 if joined else 0.0
+        v[2 * w + self.rank] = 1.0 if previous_last else 0.0
+        v[3 * w] = down_for
         ring_allreduce(self.ring, v, ReduceOp.MAX)
         v = v.numpy()
-        w = self.world
-        return v[:w].astype(np.int64), v[w:2 * w] > 0, v[2 * w:] > 0
+        return v[:w].astype(np.int64), v[w:2 * w] > 0, v[2 * w:3 * w] > 0, float(v[3 * w])
 
     def finish(self, tensor: torch.Tensor, received, average: bool) -> None:
         """Finish a bucket from the pieces (class docstring): `received`, per block, whether this rank's
@@ -729,12 +745,13 @@ class Failover:
         """This rank's allreduce of bucket `seq` raised AggregatorSilent: agree, then finish it."""
         self.failures += 1
         previous_last = self.previous is not None and self.previous[0] == seq - 1 and self.previous[2]
-        positions, _, lasts = self.statuses(seq, previous_last=previous_last)
+        positions, _, lasts, _ = self.statuses(seq, previous_last=previous_last)
         low, high = int(positions.min()), int(positions.max())
         if high - low > 1:
             raise ZeroSumError(f"ranks are more than one bucket apart after the aggregator failed "
                                f"({positions.tolist()}): cannot agree on the buckets to finish")
         self.down, self.down_since = True, low
+        self.down_at, self.switched_at = time.monotonic(), 0.0
         if high == low:
             self.finish(tensor, received, average)
             return
@@ -773,10 +790,16 @@ class Failover:
             return
         with self.lock:
             joined = self.worker.poll_rejoin()
-        _, rejoined, _ = self.statuses(last_seq + 1, joined)
+        _, rejoined, _, down_for = self.statuses(last_seq + 1, joined, down_for=time.monotonic() - self.down_at)
         if rejoined.all() and self.pending is None:
             self.down, self.down_since = False, None
             self.rejoins += 1
+        elif self.standby and down_for - self.switched_at >= self.standby_after:
+            # agreed: every rank turns at the same iteration
+            with self.lock:
+                failed = self.worker.aggregator_names
+                self.worker.use_aggregators(self.standby)
+            self.standby, self.switched_at = failed, down_for
 
     def report(self) -> dict:
         return {"failures": self.failures, "recovered_buckets": self.recovered,

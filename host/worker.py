@@ -248,6 +248,24 @@ class Worker:
         # R-L7: probes at most silence / 3 apart, so that a live aggregator is heard from in time
         self.config.max_rto = 1.0 if seconds is None else min(1.0, seconds / 3)
 
+    def use_aggregators(self, aggregators) -> None:
+        """Send to these aggregators ("HOST:PORT" strings, the same list on every rank) from now on, e.g. a
+        standby after the aggregators failed; join them with poll_rejoin. The datagram size limit stays
+        the one of the first aggregators."""
+        self._check_open()
+        if isinstance(aggregators, str):
+            aggregators = [aggregators]
+        if not aggregators:
+            raise ValueError("at least one aggregator address is needed")
+        self.aggregator_names = [str(a) for a in aggregators]
+        self.aggregators = [parse_address(a) for a in aggregators]
+        self.config.aggregator_names = self.aggregator_names
+        self._from = {addr: i for i, addr in enumerate(self.aggregators)}
+        self._keys = np.array([T.address_key(a) for a in self.aggregators], np.int64)
+        self._column_orders.clear()        # a balance for other aggregators' columns
+        self._rtt = None
+        self._rejoin = None
+
     def poll_rejoin(self) -> bool:
         """Join again, without blocking: send the JOIN when due, take what has arrived, and say whether
         every rank has joined. The first call starts a new run of the job (a new nonce, R-J3: e.g. at an

@@ -286,3 +286,23 @@ def test_a_dead_aggregator_is_detected_within_silence_and_the_final_blocks_are_n
         assert 0 < e.received.sum() < e.received.size
         assert np.array_equal(out[received], expected[received])   # final where it says so
         assert np.array_equal(out[~received], arrays[r][~received])   # the rank's input everywhere else
+
+
+def test_training_turns_to_the_standby_aggregator_when_the_failed_one_stays_dead():
+    from procs import Aggregator
+    from zerosum.udp import free_port
+    world, after, kill_at = 2, 10, 4
+    agg, standby = Aggregator(world), Aggregator(world)
+    try:
+        runs = torch_procs.spawn(torch_procs.ddp_surviving, world, free_port(), agg.address, after, kill_at,
+                                 agg.proc.pid, standby.address)
+    finally:
+        agg.proc.kill()
+        counters = standby.stop()
+    (p0, l0, d0, _, r0), (p1, _, d1, _, r1) = runs
+    assert d0 == d1 and r0 == r1
+    assert r0["failover"]["failures"] == 1 and r0["failover"]["rejoins"] == 1 and not r0["failover"]["down"]
+    assert counters.get("rounds", 0) > 0              # the standby summed the steps after the switch
+    plain = torch_procs.spawn(torch_procs.ddp_training, world, free_port(), None, False, len(l0))
+    for a, b in zip(p0, plain[0][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

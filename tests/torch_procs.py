@@ -537,7 +537,7 @@ def backend_paths(rank, world, port, calls):
     return sums, report
 
 
-def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid):
+def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid, standby=None):
     """DDP with the hybrid hook, ZeroSum preferred for every bucket; rank 0 SIGKILLs the aggregator in the
     middle of step `kill_at` (the test restarts it); training goes on until `after` steps past the ranks'
     return to ZeroSum (at most 3000 steps). Returns per-step losses and parameter digests, step times,
@@ -555,7 +555,7 @@ def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid)
     model = DDP(_model(0), bucket_cap_mb=0.05)
     worker = zerosum.Worker(rank, world, [aggregator])
     worker.open()
-    state = zt.register(model, worker, paths="auto")
+    state = zt.register(model, worker, paths="auto", standby=standby and [standby])
     state.paths.margin = 1e9            # ZeroSum for every bucket while the aggregator lives
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
