@@ -175,14 +175,17 @@ def summarize_failover(runs: dict, args) -> dict:
     steps = np.diff(clock)                              # steps[i]: step i + 1
     ring = np.flatnonzero(np.diff([0] + r["ring_buckets_by_step"]) > 0)
     if len(ring):
-        window = np.arange(ring[0] - 1, ring[-1] + 1)       # durations of the failed step .. the first one back
+        # durations of steps ring[0] - 1 (the failure may hit a step's last bucket: then the step after it
+        # is the first with buckets through the ring) .. ring[-1] + 1 (the first one back); steps[k - 1] is
+        # step k's
+        window = np.arange(ring[0] - 2, ring[-1] + 1)
         window = window[(window >= 0) & (window < len(steps))]
         rest = np.delete(steps, window)
         median = float(np.nanmedian(rest))
         out["median_step_s"] = median
         out["failure_excess_s"] = float(np.nansum(steps[window] - median))
-        out["failed_step_s"] = float(steps[window[0]])
-        out["ring_step_s"] = float(np.nanmedian(steps[window[1:]])) if len(window) > 1 else None
+        out["failed_step_s"] = float(np.nanmax(steps[window[:2]]))
+        out["ring_step_s"] = float(np.nanmedian(steps[window[2:]])) if len(window) > 2 else None
     return out
 
 
