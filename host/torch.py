@@ -582,11 +582,16 @@ def ring_of(model=None):
     return group.gloo if isinstance(group, ZeroSumProcessGroup) else group
 
 
-def ring_allreduce(group, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
-    """`tensor` reduced over `group` in place (its own collective, not the default group's)."""
+def ring_allreduce(group, tensor: torch.Tensor, op=ReduceOp.SUM, timeout: float | None = None) -> None:
+    """`tensor` reduced over `group` in place (its own collective, not the default group's); raises
+    RuntimeError after `timeout` seconds if given."""
     opts = AllreduceOptions()
     opts.reduceOp = op
-    group.allreduce([tensor], opts).wait()
+    work = group.allreduce([tensor], opts)
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout))
 
 
 def path_choice(paths: str, ring) -> "hybrid.PathChoice | None":
@@ -620,6 +625,9 @@ def union_density(t: torch.Tensor, block_size: int) -> float:
 
 CALIBRATION_VALUES = (1 << 16, 1 << 21)    # the calibration buffer: a bucket's size within these
 SILENCE = 1.0     # paths="auto": seconds of an aggregator's silence after which the ranks go on without it
+# seconds a rank waits for the others in the failover's agreements (they may be up to a backward pass and
+# their own detection apart) before it raises: a rank that is dead or cut off from this one
+AGREEMENT_TIMEOUT = 60.0
 
 
 def reduce_on_chosen_path(paths, key, tensor: torch.Tensor, worker: Worker, lock, ring,
@@ -687,8 +695,10 @@ class Failover:
     iteration (on 2 shared cores one small ring allreduce took ~7 ms a step).
     """
 
-    def __init__(self, worker: Worker, ring, lock, standby=None, standby_after: float = 2.0):
+    def __init__(self, worker: Worker, ring, lock, standby=None, standby_after: float = 2.0,
+                 timeout: float = AGREEMENT_TIMEOUT):
         self.worker, self.ring, self.lock = worker, ring, lock
+        self.timeout = timeout         # a rank that does not take part in an agreement this long: an error
         # aggregators to turn to when the failed ones have not come back within `standby_after` seconds
         # (the failed ones become the standby in turn)
         self.standby = list(standby) if standby else None
@@ -706,6 +716,24 @@ class Failover:
         self.ring_buckets = 0          # buckets sent through the ring because the aggregator was gone
         self.rejoins = 0
 
+    def _reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
+        """A collective of the failover over the ring, or a clear error if the ranks cannot all take part."""
+        try:
+            ring_allreduce(self.ring, tensor, op, self.timeout)
+        except RuntimeError as e:
+            raise self._unreachable(e) from e
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        try:
+            self.ring.broadcast([tensor], src).wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise self._unreachable(e) from e
+
+    def _unreachable(self, e) -> ZeroSumError:
+        return ZeroSumError(f"rank {self.rank}: the ranks could not agree through the ring within {self.timeout:.0f} s "
+                            f"after the aggregator failed ({e}): a rank is dead or cannot reach this one "
+                            "(partitioned); this step's update was not applied")
+
     def statuses(self, seq: int, joined: bool = True, previous_last: bool = False, down_for: float = 0.0):
         """Every rank's position (the first bucket it has not completed), whether it has rejoined, and
         whether its previous bucket was the last of an iteration (three vectors over the ranks), and the
@@ -716,7 +744,7 @@ class Failover:
         v[w + self.rank] = 1.0 if joined else 0.0
         v[2 * w + self.rank] = 1.0 if previous_last else 0.0
         v[3 * w] = down_for
-        ring_allreduce(self.ring, v, ReduceOp.MAX)
+        self._reduce(v, ReduceOp.MAX)
         v = v.numpy()
         return v[:w].astype(np.int64), v[w:2 * w] > 0, v[2 * w:3 * w] > 0, float(v[3 * w])
 
@@ -728,14 +756,14 @@ class Failover:
         nblocks = -(-n // B)
         mine = torch.zeros(nblocks) if received is None else torch.from_numpy(np.asarray(received, np.float32))
         anyone = mine.clone()
-        ring_allreduce(self.ring, anyone, ReduceOp.MAX)
+        self._reduce(anyone, ReduceOp.MAX)
         flat = tensor.view(-1)
         mine_v = mine.repeat_interleave(B)[:n].bool()
         anyone_v = anyone.repeat_interleave(B)[:n].bool()
         final = torch.where(mine_v, flat, torch.tensor(float("-inf"), dtype=flat.dtype))
-        ring_allreduce(self.ring, final, ReduceOp.MAX)
+        self._reduce(final, ReduceOp.MAX)
         inputs = torch.where(anyone_v, torch.zeros((), dtype=flat.dtype), flat)
-        ring_allreduce(self.ring, inputs)
+        self._reduce(inputs)
         if average:
             inputs.div_(self.world)
         flat.copy_(torch.where(anyone_v, final, inputs))
@@ -763,11 +791,11 @@ class Failover:
                 f"results of an iteration that ranks {np.flatnonzero(positions == high).tolist()} had completed and "
                 "gone past: that bucket cannot be finished the same way on every rank (restart from a checkpoint)")
         if seq == low:
-            self.ring.broadcast([tensor], src).wait()
+            self._broadcast(tensor, src)
             self.pending = high
         else:
             held_seq, held, _ = self.previous
-            self.ring.broadcast([held], src).wait()
+            self._broadcast(held, src)
             self.finish(tensor, received, average)
         self.recovered += 1
 

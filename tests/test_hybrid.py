@@ -306,3 +306,17 @@ def test_training_turns_to_the_standby_aggregator_when_the_failed_one_stays_dead
     plain = torch_procs.spawn(torch_procs.ddp_training, world, free_port(), None, False, len(l0))
     for a, b in zip(p0, plain[0][0]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_rank_that_cannot_take_part_in_the_agreement_is_a_clear_error_not_a_hang():
+    from zerosum.udp import free_port
+    from torch_procs import CTX, _main
+    from procs import collect
+    out, port = CTX.Queue(), free_port()
+    procs = [CTX.Process(target=_main, args=(out, torch_procs.failover_alone, r, 2, (port,)), daemon=True)
+             for r in range(2)]
+    (rank, ok, value), = collect(procs, out, 1, 60)
+    assert ok and rank == 0, value
+    message, seconds = value
+    assert message is not None and "could not agree" in message and "partitioned" in message, message
+    assert seconds < 10

@@ -585,3 +585,26 @@ def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid,
     dist.barrier()
     dist.destroy_process_group()
     return params, losses, digests, times, report
+
+
+def failover_alone(rank, world, port):
+    """Rank 0's aggregator fails and it seeks agreement; rank 1 never takes part (dead or cut off)."""
+    import time
+    import types
+    import threading
+    import torch
+    import torch.distributed as dist
+    import zerosum.torch as zt
+    from zerosum.errors import ZeroSumError
+    _init_gloo(rank, world, port)
+    if rank != 0:
+        time.sleep(6)
+        os._exit(0)                       # gone without a word
+    worker = types.SimpleNamespace(world_size=world, rank=rank, block_size=4)
+    f = zt.Failover(worker, dist.distributed_c10d._get_default_group(), threading.Lock(), timeout=2.0)
+    start = time.monotonic()
+    try:
+        f.failed(0, torch.ones(8), None, True)
+    except ZeroSumError as e:
+        return str(e), time.monotonic() - start
+    return None, time.monotonic() - start

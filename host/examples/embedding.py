@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ..argtypes import positive_int
-from .harness import parse_args, train
+from .harness import exit_now, parse_args, train
 
 TABLES, ROWS, DIM, LOOKUPS = 4, 100_000, 32, 2
 
@@ -59,6 +59,7 @@ def task(args):
 def main():
     args = arguments()
     train(*task(args), args)
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -131,6 +131,18 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
     return reports
 
 
+def exit_now() -> None:
+    """End the rank's process once training is done and torch.distributed is torn down: flush, then
+    exit without the interpreter's teardown, where torch's gloo threads sometimes abort the process
+    ("terminate called without an active exception", seen with gloo alone, in --mode local) after
+    everything has been computed and reported."""
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _schemes(text: str):
     try:
         return S.parse_list(text)

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from ..argtypes import positive_int
-from .harness import parse_args, train
+from .harness import exit_now, parse_args, train
 
 ROWS, DIM, LOOKUPS, HIDDEN = 100_000, 32, 8, 1024
 
@@ -62,6 +62,7 @@ def task(args):
 def main():
     args = arguments()
     train(*task(args), args)
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import parse_args, train
+from .harness import exit_now, parse_args, train
 
 FEATURES, HIDDEN, CLASSES = 128, 512, 10
 _TRUTH = torch.Generator().manual_seed(4321)
@@ -36,6 +36,7 @@ def task(args):
 def main():
     args = arguments()
     train(*task(args), args)
+    exit_now()
 
 
 if __name__ == "__main__":
