@@ -510,6 +510,8 @@ def backend_work_objects(rank, world, port):
     dist.all_reduce(alone, group=own)
     for g in groups:
         dist.destroy_process_group(g)
+    # every rank has made its subgroup (through the store rank 0 serves) before rank 0 ends it
+    dist.barrier()
     dist.destroy_process_group()
     return t.numpy(), got.numpy(), m.numpy(), [p.numpy() for p in parts], alone.numpy()
 
