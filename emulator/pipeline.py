@@ -40,7 +40,7 @@ C = COUNTER_INDEX    # the P4 program's C_* constants
 
 # What Admission accepted (the P4 program's ACCEPTED_*), and what the Reply stage sends (REPLY_*).
 ACCEPTED_NONE, ACCEPTED_JOIN, ACCEPTED_DATA = range(3)
-REPLY_NONE, REPLY_JOIN_ACK, REPLY_REFUSED, REPLY_STATUS, REPLY_SHADOW, REPLY_RESULT = range(6)
+REPLY_NONE, REPLY_JOIN_ACK, REPLY_REFUSED, REPLY_STATUS, REPLY_SHADOW, REPLY_RESULT, REPLY_CONFLICT = range(7)
 
 # The parser's error values (P4 core's `error`), as standard_metadata.parser_error.
 NO_ERROR, PACKET_TOO_SHORT = "NoError", "PacketTooShort"
@@ -349,11 +349,12 @@ class Switch:
             meta.drop_reason = C["drop_not_member"]                 # R-V8: membership is configured
             return
         if z.type == T_JOIN:
+            # R-V9, R-J6: refused, naming the job's world and block size (counted as the drop it is)
             if z.world != meta.world:
-                meta.drop_reason = C["drop_join_world"]             # R-V9
+                meta.outcome, meta.reply = C["drop_join_world"], REPLY_CONFLICT
                 return
             if z.block_size != ELEMENTS:
-                meta.drop_reason = C["drop_join_block_size"]        # R-V9
+                meta.outcome, meta.reply = C["drop_join_block_size"], REPLY_CONFLICT
                 return
             members = int(r.joined[meta.job_index])
             nonce = int(r.member_nonce[meta.member])
@@ -511,6 +512,13 @@ class Switch:
             self.answer(hdr, T_REFUSED)                             # R-J6
             z.epoch = z.tensor_blocks = 0
             hdr.refused = Refused(spec.REFUSED_UNKNOWN_JOB, meta.jobs_configured, meta.slots_in_use, POOL_SLOTS)
+            self.to_sender(hdr, meta)
+            self.set_lengths(hdr, meta, HEADER_BYTES + REFUSED_BYTES)
+        elif meta.reply == REPLY_CONFLICT:
+            self.answer(hdr, T_REFUSED)                             # R-J6, reason 3
+            z.epoch = z.tensor_blocks = 0
+            z.world, z.block_size = meta.world, ELEMENTS
+            hdr.refused = Refused(spec.REFUSED_CONFLICT, 0, 0, 0)
             self.to_sender(hdr, meta)
             self.set_lengths(hdr, meta, HEADER_BYTES + REFUSED_BYTES)
         elif meta.reply != REPLY_NONE:

@@ -34,7 +34,7 @@ def render() -> str:
     return env.get_template(TEMPLATE_FILE.name).render(
         typedefs=spec.TYPEDEFS, version=spec.VERSION, types=spec.TYPES, has_data=spec.HAS_DATA,
         end=spec.END, boot=spec.BOOT, no_exp=spec.NO_EXP & 0xFFFF, aggregator_rank=spec.AGGREGATOR_RANK,
-        refused_unknown_job=spec.REFUSED_UNKNOWN_JOB, header_bytes=spec.PACKET_HEADER.size,
+        refused_unknown_job=spec.REFUSED_UNKNOWN_JOB, refused_conflict=spec.REFUSED_CONFLICT, header_bytes=spec.PACKET_HEADER.size,
         entry_bytes=spec.ENTRY_HEADER.size, join_ack_bytes=spec.JOIN_ACK_BODY.size,
         refused_bytes=spec.REFUSED_BODY.size,
         headers=(spec.PACKET_HEADER, spec.ENTRY_HEADER, spec.JOIN_ACK_BODY, spec.REFUSED_BODY),

@@ -38,6 +38,7 @@ const block_t BOOT = 0xFFFFFFFE;
 const exp_t NO_EXP = 0x8000;
 const rank_t AGGREGATOR_RANK = 0xFFFF;
 const bit<32> REFUSED_UNKNOWN_JOB = 2;
+const bit<32> REFUSED_CONFLICT = 3;
 const bit<16> HEADER_BYTES = 20;
 const bit<16> ENTRY_BYTES = 16;
 const bit<16> JOIN_ACK_BYTES = 8;
@@ -89,6 +90,7 @@ const bit<8> REPLY_REFUSED = 2;
 const bit<8> REPLY_STATUS = 3;
 const bit<8> REPLY_SHADOW = 4;    // the previous round's result, to the sender
 const bit<8> REPLY_RESULT = 5;    // a completed round, to every worker of the job
+const bit<8> REPLY_CONFLICT = 6;  // REFUSED, naming the job's world and block size
 
 header ethernet_t {
     bit<48> dstAddr;
@@ -441,12 +443,15 @@ control Admission(inout headers_t hdr, inout metadata_t meta) {
             return;
         }
         if (hdr.zerosum.type == T_JOIN) {
+            // R-V9, R-J6: refused, naming the job's world and block size (counted as the drop it is)
             if (hdr.zerosum.world != meta.world) {
-                meta.drop_reason = C_DROP_JOIN_WORLD;       // R-V9
+                meta.outcome = C_DROP_JOIN_WORLD;
+                meta.reply = REPLY_CONFLICT;
                 return;
             }
             if (hdr.zerosum.block_size != (bit<16>)ELEMENTS) {
-                meta.drop_reason = C_DROP_JOIN_BLOCK_SIZE;  // R-V9
+                meta.outcome = C_DROP_JOIN_BLOCK_SIZE;
+                meta.reply = REPLY_CONFLICT;
                 return;
             }
             bit<32> members;
@@ -988,6 +993,19 @@ control Reply(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
             hdr.refused.jobs = meta.jobs_configured;
             hdr.refused.in_use = meta.slots_in_use;
             hdr.refused.slots = POOL_SLOTS;
+            to_sender();
+            set_lengths(HEADER_BYTES + REFUSED_BYTES);
+        } else if (meta.reply == REPLY_CONFLICT) {
+            answer(T_REFUSED);                              // R-J6, reason 3
+            hdr.zerosum.epoch = 0;
+            hdr.zerosum.tensor_blocks = 0;
+            hdr.zerosum.world = meta.world;
+            hdr.zerosum.block_size = (bit<16>)ELEMENTS;
+            hdr.refused.setValid();
+            hdr.refused.reason = REFUSED_CONFLICT;
+            hdr.refused.jobs = 0;
+            hdr.refused.in_use = 0;
+            hdr.refused.slots = 0;
             to_sender();
             set_lengths(HEADER_BYTES + REFUSED_BYTES);
         } else if (meta.reply != REPLY_NONE) {

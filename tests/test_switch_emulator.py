@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
-from zerosum import protocol as P
+from zerosum import protocol as P, spec
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.emulator.pipeline import Switch
 from zerosum.reference import reference_allreduce
@@ -73,11 +73,21 @@ def test_replies_have_valid_ipv4_checksums(sw):
 
 @pytest.mark.parametrize("rank, world, block_size, counter", [
     (0, 3, K, "drop_join_world"), (0, 2, 32, "drop_join_block_size"), (1, 2, K, "drop_not_member")])
-def test_bad_joins_are_dropped_and_counted(sw, rank, world, block_size, counter):
-    # rank 1 claimed from rank 0's address: not the member registered there
+def test_bad_joins_are_refused_or_dropped_and_counted(sw, rank, world, block_size, counter):
+    # rank 1 claimed from rank 0's address: not the member registered there (dropped); a member's JOIN
+    # with another world or block size is refused with the job's (R-J6, reason 3)
     f = frame(0, ZeroSum(type=P.JOIN, rank=rank, world=world, block_size=block_size, entries=0))
-    assert sw.process(f, 1) == []
+    out = sw.process(f, 1)
     assert sw.stats == {counter: 1}
+    if counter == "drop_not_member":
+        assert out == []
+        return
+    (port, reply), = out
+    assert port == 1 and Ether(reply)[IP].dst == ip_of(0)
+    payload = bytes(Ether(reply)[UDP].payload)
+    h = P.parse_header(payload)
+    assert (h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]) == (P.REFUSED, 1, P.AGGREGATOR_RANK, 2, 0, 0, K, 0)
+    assert P.REFUSED_BODY.unpack_from(payload, P.PACKET_HEADER_SIZE) == (spec.REFUSED_CONFLICT, 0, 0, 0)
 
 
 # -- a round --------------------------------------------------------------------------------------------
@@ -292,8 +302,8 @@ def test_a_worker_with_the_wrong_block_size_gets_a_clear_error():
     base = free_port(socket.SOCK_DGRAM)
     sw, fe, stop = _udp_switch(1, base)
     try:
-        with pytest.raises(zerosum.ZeroSumTimeout, match="a switch answers only the workers in its membership table, with block size 64: this worker "
-                           "sends from 127.0.0.1:"):
+        with pytest.raises(zerosum.ZeroSumRefused, match="refused the JOIN: job 1 exists there with world 1 and "
+                           "block size 64, this rank has world 1 and block size 256"):
             with zerosum.Worker(0, 1, [f"127.0.0.1:{fe.address[1]}"], block_size=256,
                                 bind=f"127.0.0.1:{base}", timeout=1.0):
                 pass
