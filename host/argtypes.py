@@ -24,3 +24,19 @@ def positive_int(text):
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
     return v
+
+
+def window(text):
+    """A worker's window (Worker(window=...)): "auto", "none" or a positive number of bytes."""
+    text = text.strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in ("none", "off", ""):
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, none or a number of bytes, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"a window must be at least 1 byte, got {v}")
+    return v

@@ -92,7 +92,8 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
 
     with zerosum.Worker(rank, world, addresses, block_size=plan["block_size"], loss=plan["loss"],
                         seed=rank, max_datagram=plan.get("max_datagram"), key=plan["key"],
-                        multicast=_multicast(plan, 0)) as w:
+                        multicast=_multicast(plan, 0), window=plan.get("window"),
+                        congestion=plan.get("congestion", True)) as w:
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
             y = np.empty_like(x)
@@ -134,7 +135,8 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                         base.append(dt)
                     events.put(("step", rank))
             events.put(("result", rank, row,
-                        {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest}))
+                        {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest,
+                         "window_bytes": w.stats.window, "srtt_s": w.stats.srtt}))
     if dist is not None:
         dist.destroy_process_group()
     events.put(("done", rank))
@@ -255,6 +257,9 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         # ... and of the aggregator process(es) together (received `datagrams` + `datagrams_sent`).
         "aggregator_cpu_s": acpu / rounds, "aggregator_datagrams": adg / rounds,
         "aggregator_cpu_us_per_datagram": us_per_datagram(acpu, adg),
+        # where each worker's window and round trip settled (after the row's last allreduce)
+        "window_bytes": [r.get("window_bytes") for r in results],
+        "srtt_s": [r.get("srtt_s") for r in results],
     }
 
 
@@ -292,6 +297,25 @@ def table_cells(r: Mapping) -> list[str]:
             mb("gloo_ring_bytes_per_worker"), _num(r.get("retransmitted_entries"), "d"),
             _num(r.get("worker_cpu_us_per_datagram"), ".0f"),
             _num(r.get("aggregator_cpu_us_per_datagram"), ".0f")]
+
+
+def window_summary(results: Mapping) -> str:
+    """Where the workers' windows and round trips settled, per world size (their ranges over ranks and
+    densities)."""
+    plan = results["plan"]
+    window = plan.get("window")
+    kind = ("no window (every column at once)" if window is None else
+            f"fixed window {window:,} B" if not plan.get("congestion", True) else
+            "congestion window" + ("" if window == "auto" else f" (at most {window:,} B)"))
+    parts = []
+    for run in results["runs"]:
+        rows = run["rows"]
+        ws = [w for r in rows for w in r.get("window_bytes") or [] if w]
+        rtts = [t for r in rows for t in r.get("srtt_s") or [] if t is not None]
+        if ws and rtts:
+            parts.append(f"{rows[0]['workers']} workers: {min(ws) / 1e3:,.0f}-{max(ws) / 1e3:,.0f} kB, "
+                         f"round trip {min(rtts) * 1e3:.2f}-{max(rtts) * 1e3:.2f} ms")
+    return f"{kind}: " + ("; ".join(parts) if parts else "no allreduce measured")
 
 
 def bench_table(results: Mapping):
@@ -353,7 +377,8 @@ def run_from_args(args) -> int:
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
-            "max_datagram": args.max_datagram, "mtu": args.mtu, "multicast": args.multicast}
+            "max_datagram": args.max_datagram, "mtu": args.mtu, "multicast": args.multicast,
+            "window": args.window, "congestion": args.congestion}
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
@@ -389,6 +414,7 @@ def run_from_args(args) -> int:
                       + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}"
                          if plan.get("mtu") else "; loopback")
                       + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
+    console.print(window_summary(results))
     for run in results["runs"]:
         for r in run["rows"]:
             if r.get("floor_s"):

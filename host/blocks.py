@@ -174,8 +174,9 @@ class CollectedBlocks:
     def __init__(self, dtype, block_size: int, capacity: int = 64):
         self.dtype = np.dtype(dtype)
         self.block_size = block_size
-        self.count = np.zeros(4, np.int64)     # the kernel's counters: duplicates, rows used, columns done,
-        #                                       blocks of the sum with data
+        # the kernel's counters: duplicates, rows used, columns done, blocks of the sum with data, and the
+        # congestion controller's samples of the last datagram (kernels.apply_datagram)
+        self.count = np.zeros(7, np.int64)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:

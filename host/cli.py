@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import textwrap
-from .argtypes import positive_int as _positive_int, rate as _rate
+from .argtypes import positive_int as _positive_int, rate as _rate, window as _window
 
 from . import protocol as P
 
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--multicast", default=None, metavar="GROUP",
                        help="the aggregator sends results once to this IP multicast group (e.g. 239.255.77.1), "
                             "which the workers join, instead of once to each worker")
+        b.add_argument("--window", type=_window, default=None, metavar="auto|none|BYTES",
+                       help="the workers' window: none, every column at once; auto, the congestion window; "
+                            "BYTES, its upper bound (with --no-congestion: the fixed window)")
+        b.add_argument("--congestion", action=argparse.BooleanOptionalAction, default=True,
+                       help="adapt the window to the path (docs/protocol.md, R-C*)")
         b.add_argument("--floor", action="store_true",
                        help="also run the sockets-only star (the floor: moving the same datagrams, no "
                             "arithmetic, no loss recovery) and show ZeroSum's time against it")

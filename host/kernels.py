@@ -290,6 +290,10 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
     violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
+    counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
+    largest round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
+    was sent once only): the congestion controller's samples (a bootstrap round also waits for ranks
+    that start later, so it says nothing about the path).
     """
     B = hdr[5]
     reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS)
@@ -327,6 +331,11 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
             counts[0] += 1
             continue
         sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
+        if block != BOOT:
+            counts[4] += 1
+            if not math.isnan(sent_at[c]):
+                counts[5] = max(counts[5], np.int64((now - sent_at[c]) * 1e9))
+                counts[6] = max(counts[6], np.int64(sent_at[c] * 1e9))
         if has:
             words = b[at: at + B * 4].view(np.uint32)
             if collect:
@@ -376,15 +385,12 @@ def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_bloc
 
 
 @njit(**JIT)
-def admit(round_block, admitted, window):
-    """The worker's window: columns are admitted in index order, the same on every worker, and stay
-    admitted; return the shortest prefix (at least `admitted`) holding `window` columns that have not
-    reached END, or all of them."""
+def admit(round_block, window):
+    """The worker's window (R-L6): the shortest prefix of the columns, in index order (the same on
+    every worker), that holds `window` columns which have not reached END, or all of them."""
     S = round_block.shape[0]
+    admitted = 0
     open_ = 0
-    for c in range(admitted):
-        if round_block[c] != END:
-            open_ += 1
     while admitted < S and open_ < window:
         if round_block[admitted] != END:
             open_ += 1
@@ -464,18 +470,20 @@ class WorkerState(NamedTuple):
     cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out
     values: np.ndarray         # float32 or int32: where sums go (DenseResult/CollectedBlocks .flat)
     blocks_out: np.ndarray     # int64: with collect, the block of each row of values
-    counts: np.ndarray         # int64 [3]: duplicates, rows used, columns done
+    counts: np.ndarray         # int64 [6]: duplicates, rows used, columns done, union blocks, and the
+    #                            congestion samples of the last datagram (apply_datagram)
     f: np.ndarray              # float64 [F_*]
     i: np.ndarray              # int64 [I_*]
     drops: np.ndarray          # int64 [len(WORKER_DROPS)]
 
 
-# f[]: timing
-F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR = range(8)
+# f[]: timing and the congestion window
+(F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
+ F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT) = range(15)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
- I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION) = range(18)
+ I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS) = range(22)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -507,6 +515,91 @@ def update_rto(st):
     """The base timeout from the estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298, 2.3)."""
     f = st.f
     f[F_BASE_RTO] = min(max(f[F_SRTT] + 4 * f[F_RTTVAR], f[F_MIN_RTO]), f[F_MAX_RTO])
+
+
+# -- the congestion window (docs/protocol.md, R-C1..R-C5) -------------------------------------------------
+
+INITIAL_WINDOW = 10     # entries (R-C1; TCP's initial window of ten segments, RFC 6928)
+DELAY_GAIN = 0.8        # R-C3: the cut per unit of relative excess delay (Swift, SIGCOMM'20, beta)
+MAX_DELAY_CUT = 0.5     # R-C3: at most half the window per round trip
+LOSS_CUT = 0.5          # R-C4
+
+
+@njit(**JIT)
+def set_window(st):
+    """The window in columns from the congestion window in bytes: at least one column (R-C5)."""
+    S = st.round_block.shape[0]
+    st.i[I_WINDOW] = max(1, min(S, np.int64(st.f[F_CWND] // st.i[I_ENTRY])))
+
+
+@njit(**JIT)
+def cut_window(st, factor, now):
+    """Multiply the window by `factor` and leave slow start; at most once per round trip (R-C3, R-C4)."""
+    f = st.f
+    f[F_CWND] = max(f[F_CWND] * factor, np.float64(st.i[I_ENTRY]))
+    f[F_SSTHRESH] = f[F_CWND]
+    f[F_NEXT_CUT] = now + (f[F_SRTT] if st.i[I_HAS_SRTT] else f[F_BASE_RTO])
+    set_window(st)
+
+
+@njit(**JIT)
+def on_rounds(st, acked, rtt, now):
+    """`acked` rounds past the bootstrap completed, the longest of those sent once took `rtt` seconds
+    (negative: none). R-C2: the window grows while the round trip stays within the target above the
+    least seen, by one entry per completed round in slow start and by one entry per window's worth of
+    rounds after (Reno's additive increase), and only while the window, not the tensor, limits what is
+    in flight. R-C3: above the target it shrinks in proportion to the excess delay."""
+    f, i = st.f, st.i
+    entry = np.float64(i[I_ENTRY])
+    if rtt >= 0.0:
+        f[F_MIN_RTT] = min(f[F_MIN_RTT], rtt)
+        excess = rtt - f[F_MIN_RTT] - f[F_TARGET]
+        if excess > -0.5 * f[F_TARGET] and f[F_CWND] < f[F_SSTHRESH]:
+            f[F_SSTHRESH] = f[F_CWND]   # the queue grows: leave slow start before it overshoots (HyStart)
+        if excess > 0.0:
+            if now >= f[F_NEXT_CUT]:
+                i[I_DELAY_CUTS] += 1
+                cut_window(st, max(1.0 - DELAY_GAIN * excess / rtt, 1.0 - MAX_DELAY_CUT), now)
+            return
+    if i[I_ADMITTED] >= st.round_block.shape[0]:
+        return                      # every column is admitted: the window is not what limits
+    if f[F_CWND] < f[F_SSTHRESH]:
+        f[F_CWND] += acked * entry
+    else:
+        f[F_CWND] += acked * entry * entry / f[F_CWND]
+    f[F_CWND] = min(f[F_CWND], f[F_CAP])
+    set_window(st)
+
+
+@njit(**JIT)
+def detect_loss(st, now):
+    """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
+    reordering window (a quarter of the least round trip, and at least the delay target) before one whose
+    result has arrived, and still without its own, is taken as lost. Rounds do not overtake each other on
+    a path, but a round also waits for every other rank's entry, and ranks on shared cores send their
+    entries milliseconds apart: the window must cover that skew, or every late rank looks like a loss."""
+    f = st.f
+    if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0:
+        return
+    before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET])
+    rb, ready, sent_at, deadline = st.round_block, st.ready, st.sent_at, st.deadline
+    A = st.probe.shape[0]
+    lost = False
+    for c in range(st.i[I_ADMITTED]):
+        if sent_at[c] < before and rb[c] != END and rb[c] != BOOT and not ready[c]:
+            deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
+            st.loss_confirmed[c % A] = True
+            lost = True
+    if lost:
+        on_loss(st, now)
+
+
+@njit(**JIT)
+def on_loss(st, now):
+    """R-C4: a confirmed loss (R-L2) halves the window, once per round trip."""
+    if st.i[I_CONGESTION] and now >= st.f[F_NEXT_CUT]:
+        st.i[I_LOSS_CUTS] += 1
+        cut_window(st, LOSS_CUT, now)
 
 
 @njit(inline="always", **JIT)
@@ -567,6 +660,13 @@ def receive_one(st, b, n, aggregator, now):
         st.i[I_REMAINING] = S - st.counts[2]
         if rtt >= 0:
             measure(st, rtt)
+        if st.i[I_CONGESTION] and st.counts[4]:
+            if st.counts[6] >= 0:
+                st.f[F_DELIVERED_SENT] = max(st.f[F_DELIVERED_SENT], st.counts[6] * 1e-9)
+            on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now)
+        st.counts[4] = 0
+        st.counts[5] = -1
+        st.counts[6] = -1
     if st.counts[0]:
         st.drops[D_DUPLICATE] += st.counts[0]         # R-L4
         st.counts[0] = 0
@@ -589,8 +689,9 @@ def flush_ready(st, now):
     """The next round's entries of every column that got its result since the last flush (R-A8), within
     the window (R-L6); returns the number of datagrams built (st.cuts)."""
     S = st.round_block.shape[0]
-    if st.i[I_ADMITTED] < S:
-        st.i[I_ADMITTED] = admit(st.round_block, st.i[I_ADMITTED], st.i[I_WINDOW])
+    detect_loss(st, now)
+    if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
+        st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
     n = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now, st.round_block,
                    st.i[I_ADMITTED])
     return encode_columns(st, n) if n else 0

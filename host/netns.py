@@ -43,11 +43,9 @@ def star(hosts: dict[str, str], mtu: int, rate: str | None = None, rates: dict[s
     tag = f"{os.getpid() % 100000:05d}{chr(ord('a') + next(_NETWORKS) % 26)}"
     bridge, made = f"zsb{tag}", []
     namespaces = {name: f"zs{tag}{name}" for name in hosts}
-    # tbf needs a bucket of at least one MTU-sized burst per timer tick; 1 ms worth of the rate is ample.
 
     def shape(dev: str, rate: str) -> list:
-        burst = f"{max(64 * 1024, _bits(rate) // 8 // 1000)}"
-        return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms"]
+        return ["tc", "qdisc", "add", "dev", dev, "root", *_tbf(rate)]
 
     def drops() -> tuple[int, int]:
         return shaper_drops(made, f"zs{tag}o"), socket_drops(made)
@@ -78,6 +76,23 @@ def star(hosts: dict[str, str], mtu: int, rate: str | None = None, rates: dict[s
             sh("ip", "netns", "del", ns, check=False)   # takes its veth pair with it
         sh("ip", "link", "del", bridge, check=False)
         sh(*_forward_rule("-D", bridge), check=False)
+
+
+def change_rate(namespace: str, rate: str) -> None:
+    """Change the shaping of a host's link (both ways) to `rate`, while traffic flows (tc change)."""
+    inside = sh("ip", "-n", namespace, "-o", "link", "show", "eth0").stdout
+    peer = int(re.search(r"eth0@if(\d+)", inside).group(1))
+    outside = next(line.split(":")[1].strip().split("@")[0] for line in sh("ip", "-o", "link").stdout.splitlines()
+                   if int(line.split(":")[0]) == peer)
+    sh("ip", "netns", "exec", namespace, "tc", "qdisc", "change", "dev", "eth0", "root", *_tbf(rate))
+    sh("tc", "qdisc", "change", "dev", outside, "root", *_tbf(rate))
+
+
+def _tbf(rate: str) -> list[str]:
+    """A token bucket at `rate` with a 50 ms queue. It needs a bucket of at least one MTU-sized burst per
+    timer tick; 1 ms worth of the rate is ample."""
+    burst = f"{max(64 * 1024, _bits(rate) // 8 // 1000)}"
+    return ["tbf", "rate", rate, "burst", burst, "latency", "50ms"]
 
 
 def shaper_drops(namespaces: list[str], outside_prefix: str) -> int:

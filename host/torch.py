@@ -15,8 +15,10 @@ environment variables:
     ZEROSUM_BLOCK_SIZE   values per block (default 256)
     ZEROSUM_TIMEOUT      seconds without progress before an allreduce fails (default 30)
     ZEROSUM_KEY          a secret shared with the aggregators (their --key-file): authenticated JOINs
-    ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): on links slower than the
-                         aggregator's, about the link's bandwidth-delay product plus what its port queues
+    ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): none (default), every column at
+                         once; auto, the congestion window; BYTES, its upper bound
+    ZEROSUM_CONGESTION   0: no congestion window, ZEROSUM_WINDOW's BYTES is the fixed window
+    ZEROSUM_DELAY_TARGET the queueing delay the congestion window allows, seconds (default 0.005)
     ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
     ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
     ZEROSUM_PATHS        zerosum (default): every SUM allreduce through ZeroSum; auto: each one through
@@ -30,6 +32,7 @@ The hook's state goes into training checkpoints (`HookState.state_dict()` / `loa
 the hook works under torch's `Join` context manager (uneven inputs). Periodic model averaging (local
 SGD) is in `zerosum.sync`.
 """
+import argparse
 import os
 import random
 import threading
@@ -44,9 +47,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed import AllreduceOptions, ReduceOp
 
-from . import hybrid
+from . import argtypes, hybrid
 from .errors import AggregatorSilent, ZeroSumError
 from .worker import Worker
+from .worker_machine import DELAY_TARGET
 
 __all__ = ["register", "HookState", "allreduce_hook", "ZeroSumProcessGroup", "worker_from_env", "default_worker",
            "compressor_state_dict", "load_compressor_state_dict"]
@@ -836,6 +840,14 @@ class Failover:
 
 # -- configuration from the environment -------------------------------------------------------------
 
+def window_from_env(text: str):
+    """ZEROSUM_WINDOW: "auto", "none" or a number of bytes (Worker(window=...))."""
+    try:
+        return argtypes.window(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"ZEROSUM_WINDOW={text!r}: {e}") from None
+
+
 def worker_from_env(store, rank: int, world_size: int):
     """An open Worker configured from ZEROSUM_* variables, and the local aggregator it started (or None).
 
@@ -866,7 +878,9 @@ def worker_from_env(store, rank: int, world_size: int):
                     block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
                     key=key,
-                    window=int(os.environ["ZEROSUM_WINDOW"]) if os.environ.get("ZEROSUM_WINDOW") else None,
+                    window=window_from_env(os.environ.get("ZEROSUM_WINDOW", "none")),
+                    congestion=os.environ.get("ZEROSUM_CONGESTION", "1") not in ("0", "off", "no", "false"),
+                    delay_target=float(os.environ.get("ZEROSUM_DELAY_TARGET", DELAY_TARGET)),
                     multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
                     silence=float(os.environ["ZEROSUM_SILENCE"]) if os.environ.get("ZEROSUM_SILENCE") else None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}

@@ -18,7 +18,7 @@ from .layout import Layout, balanced_column_order
 from . import kernels as K
 from . import transport as T
 from .udp import LossHook, open_socket, parse_address
-from .worker_machine import AllreduceMachine, JoinMachine, WorkerConfig
+from .worker_machine import DELAY_TARGET, AllreduceMachine, JoinMachine, WorkerConfig
 from .warmup import warm_up
 
 FLUSH_EVERY = 16   # datagrams processed before sending what is ready, even if more are queued
@@ -34,6 +34,10 @@ class WorkerStats:
     retransmitted_entries: int = 0
     probes: int = 0          # single entries sent to tell a loss from a slow peer (see AllreduceMachine.poll)
     drops: dict = field(default_factory=dict)
+    window: int = 0          # the last allreduce's window in bytes (the congestion window's, R-C*)
+    srtt: float | None = None   # its smoothed round trip, seconds
+    min_rtt: float | None = None
+    window_cuts: tuple = (0, 0)  # congestion window cuts for delay and for loss (R-C3, R-C4), all allreduces
 
 
 class Worker:
@@ -53,11 +57,16 @@ class Worker:
         datagram is IP-fragmented. With UDP GSO a run of them costs one system call.
     multicast: "GROUP:PORT", the IP multicast group an aggregator started with --multicast sends the
         results to (once for every worker, instead of once per worker); this worker joins it.
-    window: bytes in flight at most (docs/protocol.md, R-L6): the entries of at most window / (16 +
+    window: bytes in flight (docs/protocol.md, R-L6): the entries of at most window / (16 +
         4 * block_size) columns are out at once, and so are their results, which is what the link to
-        this worker must queue. None (the default): every column at once, as fast as the socket takes
-        them. On a link slower than the aggregator's, give about its bandwidth-delay product plus
-        what its switch port (or shaper) can queue, e.g. 250,000 bytes for 50 Mbit/s and a 50 ms queue.
+        this worker must queue. None (the default): no window, every column at once, as fast as the
+        socket takes them. "auto": a congestion window that finds the path's rate by itself
+        (R-C1..R-C5: slow start, additive increase, cuts on queueing delay and on loss). A number of
+        bytes: an upper bound for the congestion window.
+    congestion: False turns the congestion window off: a number `window` is then the fixed window,
+        e.g. a hand-tuned bandwidth-delay product plus what the switch port can queue.
+    delay_target: the queueing delay the congestion window allows above the least round trip seen,
+        in seconds (R-C3).
     silence: seconds after which an aggregator that answers nothing while this worker waits for it is
         taken as gone (docs/protocol.md, R-L7): the allreduce raises AggregatorSilent at once, saying which
         blocks of the output are final, instead of waiting for `timeout` (a live aggregator answers
@@ -68,7 +77,8 @@ class Worker:
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int | None = None,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
-                 window: int | None = None, multicast: str | None = None, silence: float | None = None):
+                 window: int | str | None = None, congestion: bool = True,
+                 delay_target: float = DELAY_TARGET, multicast: str | None = None, silence: float | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -85,10 +95,12 @@ class Worker:
         self.aggregators = [parse_address(a) for a in aggregators]
         if not 1 <= max_entries <= 0xFFFF:
             raise ValueError(f"max_entries must be 1..65535, got {max_entries}")
-        if window is not None:
+        if window is not None and window != "auto":
             if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
-                raise ValueError(f"window must be a positive number of bytes or None, got {window!r}")
+                raise ValueError(f"window must be 'auto', a positive number of bytes or None, got {window!r}")
             window = int(window)
+        if not (isinstance(delay_target, numbers.Real) and delay_target > 0):
+            raise ValueError(f"delay_target must be a positive number of seconds, got {delay_target!r}")
         if isinstance(key, str):
             key = key.encode()
         if key is not None and not key:
@@ -99,7 +111,7 @@ class Worker:
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
-                                   window=window)
+                                   window=window, congestion=bool(congestion), delay_target=float(delay_target))
         self.set_silence(silence)     # R-L7
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
@@ -120,7 +132,7 @@ class Worker:
         self._column_orders: dict[int, np.ndarray] = {}   # nblocks -> column order (balance_columns)
         self.epoch = 0
         self.gather_on_device = gather_on_device
-        self._rtt = None      # (srtt, rttvar) carried from one allreduce to the next
+        self._path = None     # what the last allreduce learnt of the path (PathEstimate) for the next one
         # (blocks of the last allreduce's sum that hold data, blocks of its tensor): the union density of
         # the ranks' non-zero blocks, the same on every rank
         self.last_union = (0, 0)
@@ -229,8 +241,8 @@ class Worker:
                 raise
             # an aggregator never answered: it may be a switch that does not know this worker
             silent = next(a for a, heard in enumerate(m.heard) if not heard)
-            raise ZeroSumTimeout(f"{e}; a switch answers only the workers in its membership table, with "
-                                 f"block size 64: this worker sends from {self._source_to(silent)}") from None
+            raise ZeroSumTimeout(f"{e}; a switch answers only the workers in its membership table: this "
+                                 f"worker sends from {self._source_to(silent)}") from None
         self.slots = m.slots
         self._leave = m.leave()
         sends = [self.aggregator_names[a] for a, f in enumerate(m.features) if f & P.FEATURE_MULTICAST]
@@ -263,7 +275,7 @@ class Worker:
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
         self._keys = np.array([T.address_key(a) for a in self.aggregators], np.int64)
         self._column_orders.clear()        # a balance for other aggregators' columns
-        self._rtt = None
+        self._path = None
         self._rejoin = None
 
     def poll_rejoin(self) -> bool:
@@ -428,9 +440,14 @@ class Worker:
         if source.nblocks:
             layout = Layout(len(self.aggregators), self.slots, source.nblocks,
                             self._column_orders.get(source.nblocks))
-            m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, rtt=self._rtt)
+            m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, path=self._path)
             self._run(m)
-            self._rtt = (m.srtt, m.rttvar)
+            self._path = m.path
+            self.stats.window = int(m.cwnd) if m.st.i[K.I_CONGESTION] else m.window_columns * (
+                P.ENTRY_SIZE + 4 * self.block_size)
+            self.stats.srtt, self.stats.min_rtt = m.srtt, (m.path.min_rtt if np.isfinite(m.path.min_rtt) else None)
+            cuts = m.window_cuts
+            self.stats.window_cuts = (self.stats.window_cuts[0] + cuts[0], self.stats.window_cuts[1] + cuts[1])
             self.last_union = (m.union_blocks, source.nblocks)
         self.stats.allreduces += 1
 

@@ -19,6 +19,7 @@ its next non-zero block index after the round's block (docs/protocol.md, "A roun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +31,17 @@ from .fixedpoint import precision_bits
 from .layout import Layout
 
 JOIN_INTERVAL = 0.05   # R-J1 (docs/protocol.md): JOIN is repeated every 50 ms until all ranks joined
+DELAY_TARGET = 0.005   # R-C3: well under the 50 ms a shaper or switch port typically queues
+
+
+class PathEstimate(NamedTuple):
+    """What one allreduce learnt about the path to the aggregators, for the next one (RFC 6298 keeps
+    its round-trip estimate per path, not per transfer; so does the congestion window here)."""
+    srtt: float | None
+    rttvar: float
+    cwnd: float
+    ssthresh: float
+    min_rtt: float
 
 
 @dataclass
@@ -46,7 +58,12 @@ class WorkerConfig:
     block_size: int = 256
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only
     key: bytes | None = None   # shared with the aggregators: JOINs carry an HMAC (docs/protocol.md, "Admission")
-    window: int | None = None  # bytes of entries in flight at most (R-L6 in docs/protocol.md); None: every column
+    # bytes of entries in flight (R-L6 in docs/protocol.md): None, every column at once; "auto", the
+    # congestion window (R-C1..R-C5); a number, the congestion window's upper bound (with
+    # congestion=False, the window itself)
+    window: int | str | None = None
+    congestion: bool = True
+    delay_target: float = DELAY_TARGET   # R-C3: queueing delay the congestion window allows, in seconds
     silence: float | None = None  # R-L7: an aggregator quiet this long while awaited is gone (None: only timeout)
 
 
@@ -155,9 +172,9 @@ class AllreduceMachine:
     what is decided per event rather than per datagram (probes, retransmissions, violations)."""
 
     def __init__(self, config: WorkerConfig, epoch: int, source: BlockSource, layout: Layout,
-                 output: DenseResult | CollectedBlocks, average: bool = False, rtt: tuple | None = None):
-        """rtt: (srtt, rttvar) measured by an earlier allreduce to the same aggregators (RFC 6298 keeps
-        its estimate per path, not per transfer); None starts with config.rto."""
+                 output: DenseResult | CollectedBlocks, average: bool = False, path: PathEstimate | None = None):
+        """path: what an earlier allreduce to the same aggregators measured (`self.path`); None starts
+        with config.rto and the initial window."""
         self.cfg = config
         self.epoch = epoch
         self.source = source
@@ -173,9 +190,15 @@ class AllreduceMachine:
         order = np.argsort(cols, kind="stable")
         starts = np.searchsorted(cols[order], np.arange(S + 1))
         # The window (R-L6): at most `window` columns past their bootstrap in flight, admitted in column
-        # order; a column stays admitted until it ends. `admitted` columns (a prefix) may send.
+        # order. `admitted` columns (a prefix) may send. The congestion window (R-C*) sets it as it goes.
         entry = P.ENTRY_SIZE + 4 * self.B
-        window = S if config.window is None else int(min(S, max(1, config.window // entry)))
+        cap = np.inf if config.window in (None, "auto") else float(config.window)
+        congestion = config.window is not None and config.congestion
+        fresh = path is None or path.srtt is None
+        cwnd = float(K.INITIAL_WINDOW * entry) if fresh else path.cwnd
+        window = (S if config.window is None else
+                  int(min(S, max(1, min(cwnd, cap) // entry))) if congestion else
+                  int(min(S, max(1, cap // entry))))
         per_data = 4 * self.B
         self.st = K.WorkerState(
             hdr=np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64),
@@ -192,11 +215,15 @@ class AllreduceMachine:
             # datagrams are built here: at most one per column, each at most max_datagram bytes
             out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
-            counts=output.count if output.collect else np.zeros(4, np.int64),
+            counts=output.count if output.collect else np.zeros(7, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
-                        config.world if average else 1], np.float64),
-            i=np.zeros(18, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+                        config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
+                        np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0], np.float64),
+            i=np.zeros(22, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+        self.st.counts[5:7] = -1
         i = self.st.i
+        i[K.I_CONGESTION] = congestion
+        i[K.I_ENTRY] = entry
         i[K.I_ADMITTED] = S if window >= S else 0
         i[K.I_WINDOW] = window
         i[K.I_REMAINING] = S
@@ -206,12 +233,11 @@ class AllreduceMachine:
         i[K.I_MAX_DATAGRAM] = config.max_datagram
         i[K.I_MAX_ENTRIES] = config.max_entries
         i[K.I_SOURCE_N] = source.n_values
-        if rtt is not None and rtt[0] is not None:
-            self.st.f[K.F_SRTT], self.st.f[K.F_RTTVAR] = rtt
+        if not fresh:
+            self.st.f[K.F_SRTT], self.st.f[K.F_RTTVAR] = path.srtt, path.rttvar
             i[K.I_HAS_SRTT] = 1
             K.update_rto(self.st)
             self.st.rto[:] = self.st.f[K.F_BASE_RTO]
-        self.window_columns = window
         self.columns_of = [np.arange(a, S, A) for a in range(A)]
         self._quiet = np.zeros(A, bool)
         self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
@@ -232,6 +258,28 @@ class AllreduceMachine:
     # blocks of the sum that hold data so far: the union of the ranks' non-zero blocks, identical on every
     # rank once the allreduce is done
     union_blocks = property(lambda self: int(self.st.counts[3]))
+
+    @property
+    def window_columns(self) -> int:
+        """The window in columns now (R-L6; the congestion window's, R-C5)."""
+        return int(self.st.i[K.I_WINDOW])
+
+    @property
+    def cwnd(self) -> float:
+        """The congestion window in bytes (R-C1..R-C4)."""
+        return float(self.st.f[K.F_CWND])
+
+    @property
+    def window_cuts(self) -> tuple[int, int]:
+        """How often the congestion window was cut for delay (R-C3) and for loss (R-C4)."""
+        return int(self.st.i[K.I_DELAY_CUTS]), int(self.st.i[K.I_LOSS_CUTS])
+
+    @property
+    def path(self) -> PathEstimate:
+        """What this allreduce learnt about the path, for the next one."""
+        f = self.st.f
+        return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(f[K.F_CWND]), float(f[K.F_SSTHRESH]),
+                            float(f[K.F_MIN_RTT]))
 
     @property
     def srtt(self):
@@ -332,6 +380,7 @@ class AllreduceMachine:
                     st.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
                     self.probes += 1
             elif st.allow[a] == S:
+                K.on_loss(st, now)                            # R-C4
                 self.retransmitted += int(np.count_nonzero(st.cols[:n] % self.layout.aggregators == a))
                 st.probe[a] = -1
                 st.loss_confirmed[a] = False

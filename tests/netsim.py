@@ -49,11 +49,12 @@ class ServiceJob:
 
 def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0, seed=0,
         max_datagram=P.MAX_DATAGRAM, max_steps=1_000_000, slots=None, max_entries=0xFFFF, batch=0.5,
-        column_order=None, window=None, check=None):
+        column_order=None, window=None, congestion=True, check=None):
     """Run one allreduce of `arrays` (one per rank) through `aggs`; return each rank's output.
     `batch`: the chance that a worker takes one more of its queued datagrams in the same receive_many.
     `column_order(aggregators, slots, nblocks)`: the column order every worker uses (default: striping).
-    `window`: the workers' window in bytes (WorkerConfig.window), one for all or a list per rank.
+    `window`: the workers' window in bytes (WorkerConfig.window), one for all or a list per rank;
+    `congestion`: WorkerConfig.congestion (False: a number is the fixed window).
     `check(machines)`: called after every step (e.g. to assert an invariant)."""
     rng = random.Random(seed)
     world = len(arrays)
@@ -65,7 +66,8 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
                         None if column_order is None else column_order(len(aggs), granted, source.nblocks))
         cfg = WorkerConfig(rank=r, world=world, job=aggs[0].state.job, max_datagram=max_datagram,
                            max_entries=max_entries, timeout=1e9, block_size=block_size,
-                           window=window[r] if isinstance(window, (list, tuple)) else window)
+                           window=window[r] if isinstance(window, (list, tuple)) else window,
+                           congestion=congestion)
         out = DenseResult(np.zeros(x.size, x.dtype))
         machines.append(AllreduceMachine(cfg, epoch, source, layout, out))
     now = 0.0

@@ -283,11 +283,19 @@ def test_worker_from_env_takes_window_and_max_datagram(monkeypatch):
         try:
             assert local is None
             assert (worker.config.window, worker.config.max_datagram) == (65536, 8972)
+            assert worker.config.congestion
             assert np.array_equal(worker.allreduce(np.arange(5000, dtype=np.float32)), np.arange(5000))
         finally:
             worker.close()
     finally:
         agg.stop()
+
+
+def test_window_from_env():
+    assert [zt.window_from_env(t) for t in ("auto", "", "none", "OFF", "250000")] == ["auto", None, None, None,
+                                                                                   250000]
+    with pytest.raises(ValueError, match="ZEROSUM_WINDOW='50k': expected auto, none or a number of bytes, got '50k'"):
+        zt.window_from_env("50k")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

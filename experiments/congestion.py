@@ -1,0 +1,261 @@
+"""The congestion window on shaped links: does ZeroSum find a link's rate by itself, and share it?
+
+    sudo python3 experiments/congestion.py single --rate 50mbit --rate 1gbit --mtu 1500 --mtu 9000
+    sudo python3 experiments/congestion.py share          # 2 and 3 jobs on one bottleneck, 1 s apart
+    sudo python3 experiments/congestion.py tcp            # one job beside a long TCP flow (iperf3)
+    sudo python3 experiments/congestion.py drop           # the bottleneck's rate halves mid-run
+    sudo python3 experiments/congestion.py all --doc docs/congestion.md
+
+Every worker runs on a host of its own (a network namespace with one veth link, shaped both ways by tc
+tbf with a 50 ms queue, zerosum.netns), and so does the one aggregator that serves every job.
+
+- single: one job of 4 workers whose links run at --rate, behind an aggregator link 4x as fast; the
+  automatic window (Worker's default) against no window and fixed windows of 1/4 to 4 times the path's
+  bandwidth-delay product plus 10 ms of queue (the best of them is the best hand-tuned window).
+- share: 2 and 3 jobs of 2 workers each, started 1 s apart; the aggregator's link (--rate) is the
+  bottleneck that they share, every worker link runs at 4x. Jain's fairness index of the jobs' rates
+  while all run.
+- tcp: one such job beside a TCP flow into the aggregator's host (iperf3), on the same bottleneck.
+- drop: one job; the bottleneck's rate halves 3 s into the run (tc change).
+
+Each job reduces dense tensors of --size floats back to back and checks every sum against the
+fixed-point reference. Per allreduce it records when it ended and how long it took: a job's rate is
+the tensor's bytes over the allreduce's time, the rate it reduces gradients at. Numbers are medians of
+--runs runs. The CPU is shared by every process (2 cores here), so at 10 Gbit/s the CPU, not the link,
+decides.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from zerosum.local import CTX, LocalAggregator, new_key
+from zerosum.netns import _bits, aggregator_ip, available, change_rate, rate_type, shaper_drops, star, worker_ip
+
+PORT = 48879
+IP_UDP = 28
+
+
+def tensor(job: int, rank: int, size: int) -> np.ndarray:
+    return np.random.default_rng([job, rank]).standard_normal(size).astype(np.float32)
+
+
+def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, window, congestion, start_at, q):
+    """One worker: waits until `start_at` (time.time()), then reduces its tensor back to back for
+    `seconds` (at least one allreduce) or `rounds` allreduces; reports every allreduce's end and
+    duration, the retransmissions, where its window settled, and whether every sum was exact."""
+    try:
+        from zerosum import Worker
+        from zerosum.netns import enter
+        from zerosum.reference import reference_allreduce
+        enter(namespace)
+        x = tensor(job, rank, size)
+        ref = reference_allreduce([tensor(job, r, size) for r in range(world)], 256) if rank == 0 else None
+        with Worker(rank, world, [address], job=job, key=key, window=window, congestion=congestion,
+                    timeout=20) as w:
+            w.allreduce(x[: 256 * 64])         # joined, kernels warm
+            time.sleep(max(0.0, start_at - time.time()))
+            log, exact = [], True
+            first = time.time()
+            while (len(log) < rounds) if rounds else (time.time() - first < seconds or not log):
+                t0 = time.perf_counter()
+                y = w.allreduce(x)
+                log.append((time.time(), time.perf_counter() - t0))
+                if ref is not None:
+                    exact &= y.tobytes() == ref.tobytes()
+            q.put({"job": job, "rank": rank, "log": log, "exact": exact,
+                   "retransmitted": w.stats.retransmitted_entries, "sent": w.stats.bytes_sent,
+                   "window": w.stats.window, "srtt": w.stats.srtt, "cuts": list(w.stats.window_cuts)})
+    except Exception as e:
+        q.put({"job": job, "rank": rank, "error": f"{type(e).__name__}: {e}"})
+
+
+def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, rounds=0, window="auto",
+             congestion=True, starts=None, tcp_seconds=0.0, rate_change=None) -> dict:
+    """jobs: workers per job. Returns per job its allreduce log, exactness, retransmissions, windows;
+    the shapers' drops; with tcp_seconds, iperf3's report of a TCP flow from its own host into the
+    aggregator's; with rate_change = (seconds, rate), the aggregator link's rate is changed then."""
+    hosts = {"a0": aggregator_ip(0)}
+    for j, world in enumerate(jobs):
+        hosts.update({f"j{j}w{r}": worker_ip(10 * j + r) for r in range(world)})
+    if tcp_seconds:
+        hosts["tcp"] = worker_ip(99)
+    rates = {"a0": aggregator_rate}
+    key = new_key()
+    with star(hosts, mtu, worker_rate, rates) as (ns, drops):
+        agg = LocalAggregator(None, listen=f"{aggregator_ip(0)}:{PORT}", key=key, prefix=["ip", "netns", "exec", ns["a0"]])
+        q = CTX.Queue()
+        t0 = time.time() + 4.0             # every rank joined and warm by then
+        starts = starts or [0.0] * len(jobs)
+        procs = [CTX.Process(target=_rank, daemon=True,
+                             args=(ns[f"j{j}w{r}"], 100 + j, r, world, agg.address, key, size, seconds, rounds,
+                                   window, congestion, t0 + starts[j], q))
+                 for j, world in enumerate(jobs) for r in range(world)]
+        for p in procs:
+            p.start()
+        iperf = None
+        if tcp_seconds:
+            server = subprocess.Popen(["ip", "netns", "exec", ns["a0"], "iperf3", "-s", "-1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(max(0.5, t0 - time.time() - 1.0))
+            iperf = subprocess.Popen(["ip", "netns", "exec", ns["tcp"], "iperf3", "-c", aggregator_ip(0), "-J",
+                                      "-t", str(tcp_seconds), "-i", "0.2"], stdout=subprocess.PIPE, text=True)
+        if rate_change:
+            time.sleep(max(0.0, t0 + rate_change[0] - time.time()))
+            change_rate(ns["a0"], rate_change[1])
+        reports = [q.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(10)
+        out = {"jobs": [], "t0": t0, "shaper_drops": drops()[0]}
+        if iperf is not None:
+            report = json.loads(iperf.communicate(timeout=120)[0])
+            server.wait(10)
+            out["tcp"] = [(t0 - 1.0 + i["sum"]["end"], i["sum"]["bits_per_second"] / 8)
+                          for i in report["intervals"]]
+        agg.stop()
+    errors = [r for r in reports if "error" in r]
+    if errors:
+        raise RuntimeError(f"{len(errors)} ranks failed, e.g. job {errors[0]['job']} rank {errors[0]['rank']}: "
+                           f"{errors[0]['error']}")
+    for j in range(len(jobs)):
+        mine = sorted((r for r in reports if r["job"] == 100 + j), key=lambda r: r["rank"])
+        out["jobs"].append({
+            "log": mine[0]["log"], "exact": mine[0]["exact"],
+            "retransmitted": sum(r["retransmitted"] for r in mine), "sent": sum(r["sent"] for r in mine),
+            "windows": [r["window"] for r in mine], "srtt": [r["srtt"] for r in mine],
+            "cuts": [r["cuts"] for r in mine]})
+    return out
+
+
+def job_rate(job, size, since=-np.inf, until=np.inf) -> float:
+    """Bytes of tensor reduced per second by the job's allreduces that ended within [since, until]."""
+    done = [(end, dt) for end, dt in job["log"] if since <= end - dt and end <= until]
+    return size * 4 * len(done) / sum(dt for _, dt in done) if done else 0.0
+
+
+def jain(xs) -> float:
+    xs = np.asarray(xs, float)
+    return float(xs.sum() ** 2 / (len(xs) * (xs ** 2).sum())) if xs.any() else 0.0
+
+
+def median_time(job) -> float:
+    return statistics.median(dt for _, dt in job["log"])
+
+
+# -- the four experiments ------------------------------------------------------------------------------
+
+def single(args) -> dict:
+    rows = []
+    for rate in args.rate:
+        for mtu in args.mtu:
+            bps = _bits(rate) / 8
+            bdp = int(bps * (0.001 + 0.010))        # ~1 ms of path and 10 ms of queue
+            variants = [("auto", "auto", True), ("none", None, True)]
+            variants += [(f"fixed {f:g}x", max(2000, int(bdp * f)), False) for f in (0.25, 0.5, 1, 2, 4)]
+            for label, window, congestion in variants:
+                runs = [run_jobs([4], worker_rate=rate, aggregator_rate=f"{4 * _bits(rate)}bit", mtu=mtu,
+                                 size=args.size, rounds=args.rounds, window=window, congestion=congestion)
+                        for _ in range(args.runs)]
+                jobs = [r["jobs"][0] for r in runs]
+                row = {"rate": rate, "mtu": mtu, "window": label, "time_s": statistics.median(map(median_time, jobs)),
+                       "times_s": [median_time(j) for j in jobs],
+                       "retransmitted": statistics.median(j["retransmitted"] for j in jobs),
+                       "retransmitted_share": statistics.median(j["retransmitted"] / max(1, j["sent"] / (16 + 1024))
+                                                                for j in jobs),
+                       "shaper_drops": statistics.median(r["shaper_drops"] for r in runs),
+                       "exact": all(j["exact"] for j in jobs),
+                       "settled_window": statistics.median(w for j in jobs for w in j["windows"]),
+                       "srtt_ms": statistics.median(s * 1e3 for j in jobs for s in j["srtt"] if s)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return {"rows": rows}
+
+
+def share(args) -> dict:
+    out = []
+    for n in (2, 3):
+        runs = []
+        for _ in range(args.runs):
+            r = run_jobs([2] * n, worker_rate=f"{4 * _bits(args.share_rate)}bit", aggregator_rate=args.share_rate,
+                         mtu=args.mtu[0], size=args.size, seconds=args.seconds, starts=[float(i) for i in range(n)])
+            since = r["t0"] + (n - 1)                     # all running
+            until = min(j["log"][-1][0] for j in r["jobs"])
+            rates = [job_rate(j, args.size, since, until) for j in r["jobs"]]
+            runs.append({"rates": rates, "jain": jain(rates), "exact": all(j["exact"] for j in r["jobs"]),
+                         "retransmitted": sum(j["retransmitted"] for j in r["jobs"]),
+                         "series": [[(end - r["t0"], args.size * 4 / dt) for end, dt in j["log"]] for j in r["jobs"]]})
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "series"}), flush=True)
+        out.append({"jobs": n, "runs": runs, "jain": statistics.median(x["jain"] for x in runs)})
+    return {"rate": args.share_rate, "rows": out}
+
+
+def tcp(args) -> dict:
+    if not shutil.which("iperf3"):
+        raise SystemExit("the tcp experiment needs iperf3 (apt-get install iperf3)")
+    runs = []
+    for _ in range(args.runs):
+        r = run_jobs([2], worker_rate=f"{4 * _bits(args.share_rate)}bit", aggregator_rate=args.share_rate,
+                     mtu=args.mtu[0], size=args.size, seconds=args.seconds, tcp_seconds=args.seconds + 2)
+        job = r["jobs"][0]
+        start, end = job["log"][0][0] - job["log"][0][1], job["log"][-1][0]
+        link = _bits(args.share_rate) / 8
+        zs = job_rate(job, args.size) * 2 * (16 + 1024) / 1024      # the job's bytes on the link (data, ~)
+        tcp_rate = statistics.mean(b for t, b in r["tcp"] if start <= t <= end)
+        runs.append({"zerosum_share": zs / link, "tcp_share": tcp_rate / link, "exact": job["exact"],
+                     "series": {"zerosum": [(e - r["t0"], args.size * 4 / dt) for e, dt in job["log"]],
+                                "tcp": [(t - r["t0"], b) for t, b in r["tcp"]]}})
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "series"}), flush=True)
+    return {"rate": args.share_rate, "runs": runs}
+
+
+def drop(args) -> dict:
+    runs = []
+    for _ in range(args.runs):
+        half = f"{_bits(args.share_rate) // 2}bit"
+        r = run_jobs([2], worker_rate=f"{4 * _bits(args.share_rate)}bit", aggregator_rate=args.share_rate,
+                     mtu=args.mtu[0], size=args.size, seconds=6.0, rate_change=(3.0, half))
+        job = r["jobs"][0]
+        change = r["t0"] + 3.0
+        before = job_rate(job, args.size, until=change)
+        after = job_rate(job, args.size, since=change + 1.0)
+        runs.append({"before": before, "after": after, "after_vs_before": after / before if before else None,
+                     "exact": job["exact"], "retransmitted": job["retransmitted"],
+                     "series": [(e - r["t0"], args.size * 4 / dt) for e, dt in job["log"]]})
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "series"}), flush=True)
+    return {"rate": args.share_rate, "runs": runs}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("what", choices=["single", "share", "tcp", "drop", "all"])
+    ap.add_argument("--rate", type=rate_type, action="append", help="single: worker link rates (default 50mbit, 1gbit)")
+    ap.add_argument("--share-rate", type=rate_type, default="200mbit", help="share/tcp/drop: the bottleneck's rate")
+    ap.add_argument("--mtu", type=int, action="append", help="link MTUs (default 1500; single: 1500 and 9000)")
+    ap.add_argument("--size", type=int, default=1_048_576, help="floats per tensor")
+    ap.add_argument("--rounds", type=int, default=5, help="single: allreduces per run")
+    ap.add_argument("--seconds", type=float, default=6.0, help="share/tcp: seconds each job runs")
+    ap.add_argument("--runs", type=int, default=3, help="runs per configuration (medians are reported)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if available():
+        raise SystemExit(f"this experiment {available()}")
+    args.rate = args.rate or ["50mbit", "1gbit"]
+    args.mtu = args.mtu or ([1500, 9000] if args.what in ("single", "all") else [1500])
+    todo = ["single", "share", "tcp", "drop"] if args.what == "all" else [args.what]
+    results = {w: globals()[w](args) for w in todo}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The congestion window (docs/protocol.md, R-C1..R-C5): the rules one by one on the kernels, and whole
+allreduces over timed links of given rate, delay and queue (tests/linksim.py)."""
+import numpy as np
+import pytest
+
+from zerosum import kernels as K
+from zerosum import protocol as P
+from zerosum.aggregator_machine import AggregatorMachine
+from zerosum.blocks import BlockSource, DenseResult
+from zerosum.layout import Layout
+from zerosum.reference import reference_allreduce
+from zerosum.worker_machine import AllreduceMachine, WorkerConfig
+
+from linksim import run_timed
+from netsim import run
+from test_machines import sparse_arrays
+
+B = 256
+ENTRY = P.ENTRY_SIZE + 4 * B
+MBIT = 1e6 / 8
+
+
+def machine(columns=64, **cfg):
+    cfg.setdefault("window", "auto")
+    x = np.ones(columns * B, np.float32)
+    source = BlockSource.dense(x, B)
+    config = WorkerConfig(rank=0, world=2, job=1, block_size=B, **cfg)
+    return AllreduceMachine(config, 1, source, Layout(1, columns, source.nblocks), DenseResult(np.zeros_like(x)))
+
+
+def test_initial_window_and_slow_start():
+    m = machine()
+    assert m.cwnd == K.INITIAL_WINDOW * ENTRY and m.window_columns == K.INITIAL_WINDOW       # R-C1
+    st = m.st
+    st.f[K.F_MIN_RTT] = 0.001
+    K.on_rounds(st, 3, 0.001, 1.0)                                  # R-C2, slow start: one entry per round
+    assert m.cwnd == (K.INITIAL_WINDOW + 3) * ENTRY and m.window_columns == K.INITIAL_WINDOW + 3
+    st.f[K.F_SSTHRESH] = m.cwnd                                     # congestion avoidance: entry² / cwnd
+    before = m.cwnd
+    K.on_rounds(st, 2, 0.001, 1.0)
+    assert m.cwnd == pytest.approx(before + 2 * ENTRY * ENTRY / before)
+
+
+def test_delay_above_target_cuts_in_proportion_once_per_round_trip():
+    m = machine(delay_target=0.005)
+    st = m.st
+    st.f[K.F_MIN_RTT] = 0.002
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_CWND] = 40 * ENTRY
+    rtt = 0.012                                                     # 5 ms above the 7 ms allowed
+    K.on_rounds(st, 1, rtt, 1.0)                                    # R-C3
+    assert m.cwnd == pytest.approx(40 * ENTRY * (1 - K.DELAY_GAIN * 0.005 / rtt))
+    assert m.window_cuts == (1, 0) and st.f[K.F_SSTHRESH] == m.cwnd
+    cut = m.cwnd
+    K.on_rounds(st, 1, rtt, 1.005)                                  # within the round trip: no second cut,
+    assert m.cwnd == cut and m.window_cuts == (1, 0)               # and no growth above the target
+    K.on_rounds(st, 1, 0.5, 1.02)                                   # at most half per round trip
+    assert m.cwnd == pytest.approx(cut * (1 - K.MAX_DELAY_CUT))
+
+
+def test_loss_halves_once_per_round_trip_and_never_below_one_column():
+    m = machine()
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_CWND] = 3 * ENTRY
+    K.on_loss(st, 1.0)                                              # R-C4
+    assert m.cwnd == 1.5 * ENTRY and m.window_cuts == (0, 1) and m.window_columns == 1
+    K.on_loss(st, 1.001)
+    assert m.window_cuts == (0, 1)
+    K.on_loss(st, 1.02)
+    assert m.cwnd == ENTRY and m.window_columns == 1                # R-C5
+
+
+def test_the_cap_and_a_window_that_does_not_limit():
+    m = machine(window=12 * ENTRY)
+    st = m.st
+    st.f[K.F_MIN_RTT] = 0.001
+    K.on_rounds(st, 50, 0.001, 1.0)
+    assert m.cwnd == 12 * ENTRY                                     # window=BYTES bounds it
+    m = machine(columns=8)
+    st = m.st
+    st.i[K.I_ADMITTED] = 8                                          # every column admitted: the tensor limits,
+    K.on_rounds(st, 50, 0.001, 1.0)                                 # not the window, so it does not grow
+    assert m.cwnd == K.INITIAL_WINDOW * ENTRY
+
+
+def test_fixed_or_no_window_has_no_controller():
+    assert machine(window=5 * ENTRY, congestion=False).window_columns == 5
+    assert machine(window=None).window_columns == 64
+    m = machine(window=5 * ENTRY, congestion=False)
+    K.on_loss(m.st, 1.0)
+    assert m.window_cuts == (0, 0) and m.window_columns == 5
+
+
+def dense(world=4, n=1 << 18, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+
+
+def entries_sent(r):
+    return sum(m.bytes_sent for m in r.machines) / ENTRY
+
+
+def test_finds_a_slow_links_rate_without_loss():
+    """50 Mbit/s links with a 50 ms queue (tc tbf's): without a window the first rounds overflow the queue;
+    the automatic window is as fast as the best fixed window and loses nothing."""
+    arrays = dense()
+    link = dict(rate=50 * MBIT, delay=1e-4, queue=int(50 * MBIT * 0.05))
+    auto = run_timed(arrays, **link)
+    ref = reference_allreduce(arrays, B)
+    assert all(np.array_equal(o, ref) for o in auto.outputs)
+    assert sum(l.dropped for l in auto.uplinks + auto.downlinks) == 0
+    assert sum(m.retransmitted for m in auto.machines) == 0
+    best = min(run_timed(arrays, window=w, congestion=False, **link).finished for w in (16_000, 32_000, 64_000))
+    assert auto.finished <= 1.05 * best
+    none = run_timed(arrays, window=None, **link)
+    assert sum(l.dropped for l in none.uplinks) > 1000 and none.finished > 2 * auto.finished
+
+
+def test_a_queue_shorter_than_the_delay_target_is_found_by_loss():
+    """A switch-like queue of 20 kB (3 ms at 50 Mbit/s, under the 5 ms target): the window finds the rate
+    by losses (R-C4, detected without a timer once the reordering window has passed) and stays within 2x
+    the best fixed window, where no window at all takes a hundred times longer. (What closes the rest
+    of the gap is ECN, which marks the queue before it drops.)"""
+    arrays = dense()
+    link = dict(rate=50 * MBIT, delay=1e-4, queue=20_000)
+    auto = run_timed(arrays, **link)
+    ref = reference_allreduce(arrays, B)
+    assert all(np.array_equal(o, ref) for o in auto.outputs)
+    assert all(m.window_cuts[1] > 0 for m in auto.machines)
+    assert sum(m.retransmitted for m in auto.machines) < 0.05 * entries_sent(auto)
+    best = min(run_timed(arrays, window=w, congestion=False, **link).finished for w in (8_000, 16_000, 32_000))
+    assert auto.finished <= 2 * best
+    assert run_timed(arrays, window=None, until=120, **link).finished > 20 * auto.finished
+
+
+def test_follows_a_rate_that_halves_mid_run():
+    arrays = dense(n=1 << 19)
+    link = dict(rate=50 * MBIT, delay=1e-4, queue=int(50 * MBIT * 0.05), changes=[(0.1, 25 * MBIT)])
+    auto = run_timed(arrays, **link)
+    ref = reference_allreduce(arrays, B)
+    assert all(np.array_equal(o, ref) for o in auto.outputs)
+    assert sum(l.dropped for l in auto.uplinks + auto.downlinks) == 0
+    fixed = run_timed(arrays, window=32_000, congestion=False, **link)
+    assert auto.finished <= 1.05 * fixed.finished
+    # after the change the window settles near the new bandwidth-delay product plus the target's queue
+    late = [w for t, w in auto.windows[0] if t > 0.2]
+    bdp = 25 * MBIT * (auto.machines[0].path.min_rtt + 0.005)
+    assert 0.25 * bdp < np.median(late) < 2 * bdp
+
+
+def test_the_window_carries_over_to_the_next_allreduce():
+    arrays = dense(n=1 << 16)
+    link = dict(rate=50 * MBIT, delay=1e-4, queue=int(50 * MBIT * 0.05))
+    first = run_timed(arrays, **link)
+    paths = [m.path for m in first.machines]
+    second = run_timed(arrays, path=paths, **link)
+    assert [w[0][1] for w in second.windows] == [p.cwnd for p in paths]     # not the initial window again
+    assert all(p.cwnd > 2 * K.INITIAL_WINDOW * ENTRY for p in paths), [p.cwnd / ENTRY for p in paths]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_under_loss_duplicates_and_reordering(seed):
+    """The automatic window in the adversarial network: reordering makes the loss detection misfire
+    (rounds overtake each other there), which may cost time, never a sum."""
+    rng = np.random.default_rng(seed)
+    arrays = sparse_arrays(rng, 3, 6000, 16, 0.5)
+    aggs = [AggregatorMachine(1, 3, slots=40), AggregatorMachine(1, 3, slots=40)]
+    outs, machines = run(arrays, aggs, block_size=16, loss=0.05, dup=0.05, reorder=0.3, seed=seed,
+                         window=["auto", 2000, "auto"])
+    ref = reference_allreduce(arrays, 16)
+    assert all(np.array_equal(o, ref) for o in outs)
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.01])
+def test_real_workers_with_the_automatic_window(loss):
+    """Worker processes on loopback with window="auto" (the compiled driver: RACK-detected losses are
+    retransmitted through the machine's poll): exact sums, and each worker reports where its window and
+    round trip settled."""
+    from procs import Aggregator, run_workers
+    from test_end_to_end import N, check
+    agg = Aggregator(4, loss=loss, seed=3)
+    try:
+        res = run_workers(4, [agg.address], [1, 2], N, 0.5, window="auto", loss=loss, seed=7)
+        check(res, 4, [1, 2], N, 0.5)
+        for rank in range(4):
+            stats = res[rank][2]
+            assert stats.window >= ENTRY and stats.srtt > 0 and stats.min_rtt > 0
+    finally:
+        agg.stop()
