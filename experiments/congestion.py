@@ -4,7 +4,7 @@
     sudo python3 experiments/congestion.py share          # 2 and 3 jobs on one bottleneck, 1 s apart
     sudo python3 experiments/congestion.py tcp            # one job beside a long TCP flow (iperf3)
     sudo python3 experiments/congestion.py drop           # the bottleneck's rate halves mid-run
-    sudo python3 experiments/congestion.py all --doc docs/congestion.md
+    sudo python3 experiments/congestion.py all --json docs/congestion.json --doc docs/congestion.md
 
 Every worker runs on a host of its own (a network namespace with one veth link, shaped both ways by tc
 tbf with a 50 ms queue, zerosum.netns), and so does the one aggregator that serves every job.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from zerosum.local import CTX, LocalAggregator, new_key
-from zerosum.netns import _bits, aggregator_ip, available, change_rate, rate_type, shaper_drops, star, worker_ip
+from zerosum.netns import _bits, aggregator_ip, available, change_rate, rate_type, star, worker_ip
 
 PORT = 48879
 IP_UDP = 28
@@ -234,6 +233,82 @@ def drop(args) -> dict:
     return {"rate": args.share_rate, "runs": runs}
 
 
+# -- the report -----------------------------------------------------------------------------------------
+
+def write_doc(results: dict, path: Path, command: str) -> None:
+    """docs/congestion.md: a table per experiment that ran, and a plot of the rates over time."""
+    results = {k: v for k, v in results.items() if k != "command"}
+    lines = ["# The congestion window on shaped links", "",
+             "What `Worker(window=\"auto\")` does on links shaped with tc tbf (50 ms queues), measured by "
+             f"`{command}` (experiments/congestion.py; hosts in network namespaces on one 2-core machine, so "
+             "fast links are CPU-bound). Every sum was checked against the fixed-point reference.", ""]
+    if "single" in results:
+        lines += ["## One job, 4 workers, worker links at the rate, aggregator link 4x", "",
+                  "| rate | MTU | window | allreduce (s, median) | runs | retransmitted entries (share) | "
+                  "shaper drops | settled window (kB) | srtt (ms) | exact |", "|---|--:|---|--:|---|--:|--:|--:|--:|:-:|"]
+        for r in results["single"]["rows"]:
+            lines.append(f"| {r['rate']} | {r['mtu']} | {r['window']} | {r['time_s']:.3f} | "
+                         f"{', '.join(f'{t:.3f}' for t in r['times_s'])} | {r['retransmitted']:.0f} "
+                         f"({100 * r['retransmitted_share']:.3f} %) | {r['shaper_drops']:.0f} | "
+                         f"{r['settled_window'] / 1e3:,.0f} | {r['srtt_ms']:.1f} | {'yes' if r['exact'] else 'NO'} |")
+        for rate, mtu in sorted({(r["rate"], r["mtu"]) for r in results["single"]["rows"]}):
+            rows = [r for r in results["single"]["rows"] if (r["rate"], r["mtu"]) == (rate, mtu)]
+            auto = next(r for r in rows if r["window"] == "auto")
+            best = min((r for r in rows if r["window"].startswith("fixed")), key=lambda r: r["time_s"])
+            lines.append(f"\n{rate}, MTU {mtu}: the automatic window takes {auto['time_s'] / best['time_s']:.2f}x "
+                         f"the time of the best fixed window ({best['window']}).")
+        lines.append("")
+    if "share" in results:
+        lines += [f"## Jobs sharing a {results['share']['rate']} bottleneck (2 workers each, started 1 s apart)", "",
+                  "| jobs | Jain's index (median) | per run | rates while all run (MB/s) | exact |",
+                  "|--:|--:|---|---|:-:|"]
+        for row in results["share"]["rows"]:
+            jains = ", ".join(f"{x['jain']:.3f}" for x in row["runs"])
+            lines.append(f"| {row['jobs']} | {row['jain']:.3f} | {jains} | "
+                         + "; ".join(", ".join(f"{v / 1e6:.1f}" for v in x["rates"]) for x in row["runs"])
+                         + f" | {'yes' if all(x['exact'] for x in row['runs']) else 'NO'} |")
+        lines.append("")
+    if "tcp" in results:
+        lines += [f"## One job beside a TCP flow (iperf3) on a {results['tcp']['rate']} bottleneck", "",
+                  "| run | ZeroSum's share of the link | TCP's share | exact |", "|--:|--:|--:|:-:|"]
+        for i, x in enumerate(results["tcp"]["runs"]):
+            lines.append(f"| {i + 1} | {100 * x['zerosum_share']:.0f} % | {100 * x['tcp_share']:.0f} % | "
+                         f"{'yes' if x['exact'] else 'NO'} |")
+        lines.append("")
+    if "drop" in results:
+        lines += [f"## The bottleneck ({results['drop']['rate']}) halves 3 s into the run", "",
+                  "| run | rate before (MB/s) | from 1 s after the change | after / before | retransmitted | exact |",
+                  "|--:|--:|--:|--:|--:|:-:|"]
+        for i, x in enumerate(results["drop"]["runs"]):
+            lines.append(f"| {i + 1} | {x['before'] / 1e6:.1f} | {x['after'] / 1e6:.1f} | {x['after_vs_before']:.2f} | "
+                         f"{x['retransmitted']} | {'yes' if x['exact'] else 'NO'} |")
+        lines.append("")
+    series = []
+    if "share" in results:
+        for row in results["share"]["rows"]:
+            series += [(f"{row['jobs']} jobs: job {j + 1}", s) for j, s in enumerate(row["runs"][0]["series"])]
+    if "tcp" in results and results["tcp"]["runs"]:
+        series += [(f"beside TCP: {k}", v) for k, v in results["tcp"]["runs"][0]["series"].items()]
+    if "drop" in results and results["drop"]["runs"]:
+        series.append(("rate halved at 3 s", results["drop"]["runs"][0]["series"]))
+    if series:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for label, points in series:
+            if points:
+                t, v = zip(*points)
+                ax.plot(t, np.asarray(v) / 1e6, ".-", label=label, linewidth=0.8, markersize=3)
+        ax.set_xlabel("seconds since the first job started")
+        ax.set_ylabel("rate (MB/s of tensor, or of TCP payload)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=110)
+        lines += [f"![each flow's rate over time]({path.with_suffix('.png').name})", ""]
+    path.write_text("\n".join(lines))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -246,7 +321,14 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=6.0, help="share/tcp: seconds each job runs")
     ap.add_argument("--runs", type=int, default=3, help="runs per configuration (medians are reported)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--doc", default=None, help="write the tables (and a plot beside it) into this markdown file")
+    ap.add_argument("--from-json", default=None, help="only write --doc from an earlier --json")
     args = ap.parse_args(argv)
+    command = "sudo python3 experiments/congestion.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        write_doc(results, Path(args.doc or "docs/congestion.md"), results.pop("command", command))
+        return
     if available():
         raise SystemExit(f"this experiment {available()}")
     args.rate = args.rate or ["50mbit", "1gbit"]
@@ -254,7 +336,9 @@ def main(argv=None):
     todo = ["single", "share", "tcp", "drop"] if args.what == "all" else [args.what]
     results = {w: globals()[w](args) for w in todo}
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(dict(results, command=command), indent=1))
+    if args.doc:
+        write_doc(results, Path(args.doc), command)
 
 
 if __name__ == "__main__":

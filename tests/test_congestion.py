@@ -188,3 +188,26 @@ def test_real_workers_with_the_automatic_window(loss):
             assert stats.window >= ENTRY and stats.srtt > 0 and stats.min_rtt > 0
     finally:
         agg.stop()
+
+
+def test_the_shaped_link_experiment_runs_and_reports(tmp_path):
+    """experiments/congestion.py: one small job of two workers on 50 Mbit/s links in network namespaces
+    (root and iproute2 needed), exact, and its report."""
+    import pathlib
+    import sys
+    from zerosum.netns import available
+    if available():
+        pytest.skip(f"the shaped-link experiment {available()}")
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "experiments"))   # its ranks import it too
+    import congestion as E
+    out = E.run_jobs([2], worker_rate="50mbit", aggregator_rate="200mbit", mtu=1500, size=65536, rounds=2)
+    (job,) = out["jobs"]
+    assert job["exact"] and len(job["log"]) == 2 and all(w > 0 for w in job["windows"])
+    row = {"rate": "50mbit", "mtu": 1500, "time_s": E.median_time(job), "times_s": [E.median_time(job)],
+           "retransmitted": job["retransmitted"], "retransmitted_share": 0.0, "shaper_drops": out["shaper_drops"],
+           "exact": True, "settled_window": job["windows"][0], "srtt_ms": 1.0}
+    rows = [dict(row, window="auto"), dict(row, window="fixed 1x", time_s=2 * row["time_s"])]
+    E.write_doc({"single": {"rows": rows}}, tmp_path / "c.md", "cmd")
+    text = (tmp_path / "c.md").read_text()
+    assert "| 50mbit | 1500 | auto |" in text and "automatic window takes 0.50x the time" in text
+    assert E.jain([1, 1, 1]) == 1.0 and E.jain([1, 0]) == 0.5
