@@ -82,6 +82,9 @@ def scenario() -> list[tuple[int, bytes]]:
     f.append((2, frame(1, ZeroSum(rank=1, world=WORLD), ZeroSumEntry(block=1, next=P.END), sport=4000)))
     f.append((2, frame(1, ZeroSum(rank=1, world=WORLD), ZeroSumEntry(), values(np.ones(K)))[:-8]))
     f.append((1, frame(0, ZeroSum(type=P.JOIN, job=7, rank=0, world=WORLD, epoch=5, entries=0))))  # not configured
+    # a member's JOIN with another world, then another block size: REFUSED naming the job's (R-J6, reason 3)
+    f.append((1, frame(0, ZeroSum(type=P.JOIN, rank=0, world=WORLD + 1, epoch=100, entries=0))))
+    f.append((1, frame(0, ZeroSum(type=P.JOIN, rank=0, world=WORLD, block_size=K // 2, epoch=100, entries=0))))
     f.append((2, frame(1, ZeroSum(type=P.STATUS, rank=1, world=WORLD), ZeroSumEntry(block=1, next=P.END))))
     f.append((1, frame(0, ZeroSum(rank=0, world=WORLD + 1), ZeroSumEntry(block=1, next=P.END))))  # geometry
     # A new run of the job (rank 2's new nonce), then the old run's shadow round is stale.
@@ -207,7 +210,8 @@ def test_bmv2_and_the_emulator_send_the_same_frames(bmv2):
         bmv2_job = {name: n for name, n in ctl.stats(job=1).items() if n}
     assert bmv2_stats == emu.stats
     assert bmv2_job == emu.job_stats(0)
-    assert {"joins_refused", "drop_geometry", "job_restarts", "drop_stale"} <= set(emu.stats)
+    assert {"joins_refused", "drop_geometry", "job_restarts", "drop_stale", "drop_join_world",
+            "drop_join_block_size"} <= set(emu.stats)
     # Same register contents: the scenario's slot (1, banks 2 and 3), the job's and the members' state.
     regs = emu.registers.by_name()
     cells = [(SLOT_STATE + name, 1) for name in Registers.SLOT_STATE]
