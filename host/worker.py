@@ -40,6 +40,15 @@ class WorkerStats:
     window_cuts: tuple = (0, 0)  # congestion window cuts for delay and for loss (R-C3, R-C4), all allreduces
 
 
+def _aggregator_list(aggregators) -> tuple[list[str], list[tuple[str, int]]]:
+    """The aggregators' names and (host, port) addresses from "HOST:PORT" strings (or one string)."""
+    if isinstance(aggregators, str):
+        aggregators = [aggregators]
+    if not aggregators:
+        raise ValueError("at least one aggregator address is needed")
+    return [str(a) for a in aggregators], [parse_address(a) for a in aggregators]
+
+
 class Worker:
     """One rank of a ZeroSum job. Use as a context manager; `allreduce(x)` returns the sum over ranks.
 
@@ -87,12 +96,7 @@ class Worker:
             raise ValueError(f"job must be 0..65535, got {job}")
         if not 1 <= block_size <= 0xFFFF:
             raise ValueError(f"block_size must be 1..65535, got {block_size}")
-        if isinstance(aggregators, str):
-            aggregators = [aggregators]
-        if not aggregators:
-            raise ValueError("at least one aggregator address is needed")
-        self.aggregator_names = [str(a) for a in aggregators]
-        self.aggregators = [parse_address(a) for a in aggregators]
+        self.aggregator_names, self.aggregators = _aggregator_list(aggregators)
         if not 1 <= max_entries <= 0xFFFF:
             raise ValueError(f"max_entries must be 1..65535, got {max_entries}")
         if window is not None and window != "auto":
@@ -265,12 +269,7 @@ class Worker:
         standby after the aggregators failed; join them with poll_rejoin. The datagram size limit stays
         the one of the first aggregators."""
         self._check_open()
-        if isinstance(aggregators, str):
-            aggregators = [aggregators]
-        if not aggregators:
-            raise ValueError("at least one aggregator address is needed")
-        self.aggregator_names = [str(a) for a in aggregators]
-        self.aggregators = [parse_address(a) for a in aggregators]
+        self.aggregator_names, self.aggregators = _aggregator_list(aggregators)
         self.config.aggregator_names = self.aggregator_names
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
         self._keys = np.array([T.address_key(a) for a in self.aggregators], np.int64)
