@@ -37,11 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
+from zerosum import protocol as P
 from zerosum.local import CTX, LocalAggregator, new_key
 from zerosum.netns import _bits, aggregator_ip, available, change_rate, rate_type, star, worker_ip
 
 PORT = 48879
-IP_UDP = 28
+BLOCK = 256                              # the workers' block size (Worker's default)
+ENTRY = P.ENTRY_SIZE + 4 * BLOCK         # bytes of one entry with its data on the wire
 
 
 def tensor(job: int, rank: int, size: int) -> np.ndarray:
@@ -58,10 +60,10 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
         from zerosum.reference import reference_allreduce
         enter(namespace)
         x = tensor(job, rank, size)
-        ref = reference_allreduce([tensor(job, r, size) for r in range(world)], 256) if rank == 0 else None
-        with Worker(rank, world, [address], job=job, key=key, window=window, congestion=congestion,
+        ref = reference_allreduce([tensor(job, r, size) for r in range(world)], BLOCK) if rank == 0 else None
+        with Worker(rank, world, [address], job=job, block_size=BLOCK, key=key, window=window, congestion=congestion,
                     timeout=20) as w:
-            w.allreduce(x[: 256 * 64])         # joined, kernels warm
+            w.allreduce(x[: BLOCK * 64])       # joined, kernels warm
             time.sleep(max(0.0, start_at - time.time()))
             log, exact = [], True
             first = time.time()
@@ -168,7 +170,7 @@ def single(args) -> dict:
                 row = {"rate": rate, "mtu": mtu, "window": label, "time_s": statistics.median(map(median_time, jobs)),
                        "times_s": [median_time(j) for j in jobs],
                        "retransmitted": statistics.median(j["retransmitted"] for j in jobs),
-                       "retransmitted_share": statistics.median(j["retransmitted"] / max(1, j["sent"] / (16 + 1024))
+                       "retransmitted_share": statistics.median(j["retransmitted"] / max(1, j["sent"] / ENTRY)
                                                                 for j in jobs),
                        "shaper_drops": statistics.median(r["shaper_drops"] for r in runs),
                        "exact": all(j["exact"] for j in jobs),
@@ -207,7 +209,7 @@ def tcp(args) -> dict:
         job = r["jobs"][0]
         start, end = job["log"][0][0] - job["log"][0][1], job["log"][-1][0]
         link = _bits(args.share_rate) / 8
-        zs = job_rate(job, args.size) * 2 * (16 + 1024) / 1024      # the job's bytes on the link (data, ~)
+        zs = job_rate(job, args.size) * 2 * ENTRY / (4 * BLOCK)    # the job's bytes on the link (data, ~)
         tcp_rate = statistics.mean(b for t, b in r["tcp"] if start <= t <= end)
         runs.append({"zerosum_share": zs / link, "tcp_share": tcp_rate / link, "exact": job["exact"],
                      "series": {"zerosum": [(e - r["t0"], args.size * 4 / dt) for e, dt in job["log"]],
