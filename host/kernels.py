@@ -291,9 +291,10 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
     violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
-    largest round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
+    least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
     was sent once only): the congestion controller's samples (a bootstrap round also waits for ranks
-    that start later, so it says nothing about the path).
+    that start later, so it says nothing about the path; the least, because the others may have waited
+    for another rank's retransmission).
     """
     B = hdr[5]
     reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS)
@@ -334,7 +335,8 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
         if block != BOOT:
             counts[4] += 1
             if not math.isnan(sent_at[c]):
-                counts[5] = max(counts[5], np.int64((now - sent_at[c]) * 1e9))
+                sample = np.int64((now - sent_at[c]) * 1e9)
+                counts[5] = sample if counts[5] < 0 else min(counts[5], sample)
                 counts[6] = max(counts[6], np.int64(sent_at[c] * 1e9))
         if has:
             words = b[at: at + B * 4].view(np.uint32)
@@ -479,7 +481,8 @@ class WorkerState(NamedTuple):
 
 # f[]: timing and the congestion window
 (F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
- F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT) = range(15)
+ F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
+ F_QUEUE) = range(18)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
@@ -522,7 +525,8 @@ def update_rto(st):
 INITIAL_WINDOW = 10     # entries (R-C1; TCP's initial window of ten segments, RFC 6928)
 DELAY_GAIN = 0.8        # R-C3: the cut per unit of relative excess delay (Swift, SIGCOMM'20, beta)
 MAX_DELAY_CUT = 0.5     # R-C3: at most half the window per round trip
-LOSS_CUT = 0.5          # R-C4
+LOSS_CUT = 0.5          # R-C4: a loss behind a queue
+RANDOM_LOSS_CUT = 0.8   # R-C4: a loss with no queue to speak of (TCP Veno, JSAC 2003, section II.B: 4/5)
 
 
 @njit(**JIT)
@@ -543,24 +547,43 @@ def cut_window(st, factor, now):
 
 
 @njit(**JIT)
-def on_rounds(st, acked, rtt, now):
-    """`acked` rounds past the bootstrap completed, the longest of those sent once took `rtt` seconds
-    (negative: none). R-C2: the window grows while the round trip stays within the target above the
-    least seen, by one entry per completed round in slow start and by one entry per window's worth of
-    rounds after (Reno's additive increase), and only while the window, not the tensor, limits what is
-    in flight. R-C3: above the target it shrinks in proportion to the excess delay."""
+def end_epoch(st, now):
+    """R-C3: the delay verdict, once per measurement epoch (one round trip: from the epoch's start until a
+    round sent after it completes), on the least round trip of the epoch. A round's trip includes waiting
+    for every other rank's entry, so one rank's retransmission delays every rank's samples of that round;
+    the least over a round trip's worth of rounds is the path's queue, not such a wait (the min filter of
+    TCP Vegas and BBR)."""
+    f, i = st.f, st.i
+    rtt = f[F_EPOCH_MIN]
+    f[F_EPOCH_START] = now
+    f[F_EPOCH_MIN] = np.inf
+    if not np.isfinite(rtt):
+        return
+    f[F_QUEUE] = rtt - f[F_MIN_RTT]
+    excess = f[F_QUEUE] - f[F_TARGET]
+    if excess > -0.5 * f[F_TARGET] and f[F_CWND] < f[F_SSTHRESH]:
+        f[F_SSTHRESH] = f[F_CWND]   # the queue grows: leave slow start before it overshoots (HyStart)
+    if excess > 0.0 and now >= f[F_NEXT_CUT]:
+        i[I_DELAY_CUTS] += 1
+        cut_window(st, max(1.0 - DELAY_GAIN * excess / rtt, 1.0 - MAX_DELAY_CUT), now)
+
+
+@njit(**JIT)
+def on_rounds(st, acked, rtt, now, sent):
+    """`acked` rounds past the bootstrap completed, the quickest of those sent once took `rtt` seconds
+    and the latest of them was sent at `sent` (both negative: none). R-C2: the window grows while the
+    last epoch's queue stayed within the target, by one entry per completed round in slow start and by one
+    entry per window's worth of rounds after (Reno's additive increase), and only while the window, not the
+    tensor, limits what is in flight. R-C3: the epoch's verdict (end_epoch)."""
     f, i = st.f, st.i
     entry = np.float64(i[I_ENTRY])
     if rtt >= 0.0:
         f[F_MIN_RTT] = min(f[F_MIN_RTT], rtt)
-        excess = rtt - f[F_MIN_RTT] - f[F_TARGET]
-        if excess > -0.5 * f[F_TARGET] and f[F_CWND] < f[F_SSTHRESH]:
-            f[F_SSTHRESH] = f[F_CWND]   # the queue grows: leave slow start before it overshoots (HyStart)
-        if excess > 0.0:
-            if now >= f[F_NEXT_CUT]:
-                i[I_DELAY_CUTS] += 1
-                cut_window(st, max(1.0 - DELAY_GAIN * excess / rtt, 1.0 - MAX_DELAY_CUT), now)
-            return
+        f[F_EPOCH_MIN] = min(f[F_EPOCH_MIN], rtt)
+        if sent >= f[F_EPOCH_START]:
+            end_epoch(st, now)
+    if f[F_QUEUE] > f[F_TARGET]:
+        return                      # above the target: no growth until an epoch says otherwise
     if i[I_ADMITTED] >= st.round_block.shape[0]:
         return                      # every column is admitted: the window is not what limits
     if f[F_CWND] < f[F_SSTHRESH]:
@@ -596,10 +619,14 @@ def detect_loss(st, now):
 
 @njit(**JIT)
 def on_loss(st, now):
-    """R-C4: a confirmed loss (R-L2) halves the window, once per round trip."""
+    """R-C4: a confirmed loss (R-L2) cuts the window, once per round trip: by half when the last epoch saw a
+    queue of at least half the delay target (the loss is the queue overflowing), by a fifth when it did
+    not (the loss is more likely noise than congestion: TCP Veno's rule; a lossy path without a queue
+    would otherwise hold the window at a few entries)."""
     if st.i[I_CONGESTION] and now >= st.f[F_NEXT_CUT]:
         st.i[I_LOSS_CUTS] += 1
-        cut_window(st, LOSS_CUT, now)
+        queued = st.f[F_QUEUE] >= 0.5 * st.f[F_TARGET]
+        cut_window(st, LOSS_CUT if queued else RANDOM_LOSS_CUT, now)
 
 
 @njit(inline="always", **JIT)
@@ -663,7 +690,7 @@ def receive_one(st, b, n, aggregator, now):
         if st.i[I_CONGESTION] and st.counts[4]:
             if st.counts[6] >= 0:
                 st.f[F_DELIVERED_SENT] = max(st.f[F_DELIVERED_SENT], st.counts[6] * 1e-9)
-            on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now)
+            on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now, st.counts[6] * 1e-9)
         st.counts[4] = 0
         st.counts[5] = -1
         st.counts[6] = -1

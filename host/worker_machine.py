@@ -218,7 +218,8 @@ class AllreduceMachine:
             counts=output.count if output.collect else np.zeros(7, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
-                        np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0], np.float64),
+                        np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
+                        0.0], np.float64),
             i=np.zeros(22, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i

@@ -33,36 +33,42 @@ def test_initial_window_and_slow_start():
     assert m.cwnd == K.INITIAL_WINDOW * ENTRY and m.window_columns == K.INITIAL_WINDOW       # R-C1
     st = m.st
     st.f[K.F_MIN_RTT] = 0.001
-    K.on_rounds(st, 3, 0.001, 1.0)                                  # R-C2, slow start: one entry per round
+    K.on_rounds(st, 3, 0.001, 1.0, 0.999)                           # R-C2, slow start: one entry per round
     assert m.cwnd == (K.INITIAL_WINDOW + 3) * ENTRY and m.window_columns == K.INITIAL_WINDOW + 3
     st.f[K.F_SSTHRESH] = m.cwnd                                     # congestion avoidance: entry² / cwnd
     before = m.cwnd
-    K.on_rounds(st, 2, 0.001, 1.0)
+    K.on_rounds(st, 2, 0.001, 1.0, 0.999)
     assert m.cwnd == pytest.approx(before + 2 * ENTRY * ENTRY / before)
 
 
-def test_delay_above_target_cuts_in_proportion_once_per_round_trip():
+def test_delay_above_target_cuts_in_proportion_once_per_epoch():
     m = machine(delay_target=0.005)
     st = m.st
     st.f[K.F_MIN_RTT] = 0.002
     st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
     st.f[K.F_CWND] = 40 * ENTRY
     rtt = 0.012                                                     # 5 ms above the 7 ms allowed
-    K.on_rounds(st, 1, rtt, 1.0)                                    # R-C3
+    K.on_rounds(st, 1, rtt, 1.0, 1.0 - rtt)                         # R-C3: the first sample ends an epoch
     assert m.cwnd == pytest.approx(40 * ENTRY * (1 - K.DELAY_GAIN * 0.005 / rtt))
     assert m.window_cuts == (1, 0) and st.f[K.F_SSTHRESH] == m.cwnd
     cut = m.cwnd
-    K.on_rounds(st, 1, rtt, 1.005)                                  # within the round trip: no second cut,
+    K.on_rounds(st, 1, rtt, 1.005, 1.005 - rtt)                     # sent before the epoch began: no verdict,
     assert m.cwnd == cut and m.window_cuts == (1, 0)               # and no growth above the target
-    K.on_rounds(st, 1, 0.5, 1.02)                                   # at most half per round trip
-    assert m.cwnd == pytest.approx(cut * (1 - K.MAX_DELAY_CUT))
+    K.on_rounds(st, 1, 0.3, 1.01, 0.71)                             # a round that waited for another rank's
+    assert m.cwnd == cut and m.window_cuts == (1, 0)               # retransmission, then one that did not:
+    K.on_rounds(st, 1, 0.0021, 1.012, 1.0099)                       # the epoch's least trip is the verdict
+    assert m.window_cuts == (1, 0) and m.cwnd > cut and st.f[K.F_QUEUE] == pytest.approx(0.0001)
+    K.on_rounds(st, 1, 0.5, 1.6, 1.1)                               # at most half per round trip
+    assert m.window_cuts == (2, 0)
+    assert m.cwnd == pytest.approx((cut + ENTRY * ENTRY / cut) * (1 - K.MAX_DELAY_CUT))
 
 
-def test_loss_halves_once_per_round_trip_and_never_below_one_column():
+def test_loss_cuts_once_per_round_trip_by_half_behind_a_queue_and_never_below_one_column():
     m = machine()
     st = m.st
     st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
     st.f[K.F_CWND] = 3 * ENTRY
+    st.f[K.F_QUEUE] = 0.5 * st.f[K.F_TARGET]                       # the last epoch saw a queue: overflow
     K.on_loss(st, 1.0)                                              # R-C4
     assert m.cwnd == 1.5 * ENTRY and m.window_cuts == (0, 1) and m.window_columns == 1
     K.on_loss(st, 1.001)
@@ -71,16 +77,26 @@ def test_loss_halves_once_per_round_trip_and_never_below_one_column():
     assert m.cwnd == ENTRY and m.window_columns == 1                # R-C5
 
 
+def test_a_loss_without_a_queue_cuts_by_a_fifth():
+    m = machine()
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_CWND] = 40 * ENTRY
+    st.f[K.F_QUEUE] = 0.4 * st.f[K.F_TARGET]                        # R-C4: noise rather than overflow
+    K.on_loss(st, 1.0)
+    assert m.cwnd == pytest.approx(32 * ENTRY) and m.window_cuts == (0, 1)
+
+
 def test_the_cap_and_a_window_that_does_not_limit():
     m = machine(window=12 * ENTRY)
     st = m.st
     st.f[K.F_MIN_RTT] = 0.001
-    K.on_rounds(st, 50, 0.001, 1.0)
+    K.on_rounds(st, 50, 0.001, 1.0, 0.999)
     assert m.cwnd == 12 * ENTRY                                     # window=BYTES bounds it
     m = machine(columns=8)
     st = m.st
     st.i[K.I_ADMITTED] = 8                                          # every column admitted: the tensor limits,
-    K.on_rounds(st, 50, 0.001, 1.0)                                 # not the window, so it does not grow
+    K.on_rounds(st, 50, 0.001, 1.0, 0.999)                          # not the window, so it does not grow
     assert m.cwnd == K.INITIAL_WINDOW * ENTRY
 
 
