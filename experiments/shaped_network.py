@@ -63,7 +63,7 @@ class _Runs(argparse.Action):
 
     def __call__(self, parser, namespace, value, option_string=None):
         given = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, ([] if given is self.default else given) + [value])
+        setattr(namespace, self.dest, ([] if given is self.default or given is None else given) + [value])
 
 
 def add_link_options(parser: argparse.ArgumentParser, options=LINK_OPTIONS, *, rate=None, aggregator_rate=None,
@@ -71,7 +71,7 @@ def add_link_options(parser: argparse.ArgumentParser, options=LINK_OPTIONS, *, r
     """Add the shaped-link options named in `options` to `parser`, with these defaults: rate None, no
     shaped links unless --rate is given; rate LOOPBACK, --rate also takes "loopback"; aggregator_rate
     None, RATE; max_datagram and window None, zerosum.Worker's (64 KiB, no window). The options named
-    in `runs` may be repeated, a run per value (their default is then a list). `notes` (option -> text)
+    in `runs` may be repeated, a run per value (a list, or their default). `notes` (option -> text)
     replaces an option's "default ..." in its help where the script does more than take the default."""
     defaults = {"rate": rate, "aggregator-rate": aggregator_rate, "mtu": mtu, "max-datagram": max_datagram,
                 "window": window}
@@ -79,8 +79,8 @@ def add_link_options(parser: argparse.ArgumentParser, options=LINK_OPTIONS, *, r
              "mtu": positive_int, "max-datagram": positive_int, "window": window_type}
     for name in options:
         several = name in runs
-        parser.add_argument(f"--{name}", type=types[name], default=list(defaults[name] or []) if several
-                            else defaults[name], action=_Runs if several else "store",
+        default = list(defaults[name]) if several and defaults[name] is not None else defaults[name]
+        parser.add_argument(f"--{name}", type=types[name], default=default, action=_Runs if several else "store",
                             help=_link_help(name, defaults[name], (notes or {}).get(name), several,
                                             types[name] is link_rate))
 
