@@ -67,15 +67,16 @@ class _Runs(argparse.Action):
 
 
 def add_link_options(parser: argparse.ArgumentParser, options=LINK_OPTIONS, *, rate=None, aggregator_rate=None,
-                     mtu=9000, max_datagram=None, window=None, runs=(), notes=None) -> None:
+                     mtu=9000, max_datagram=None, window=None, loopback=False, runs=(), notes=None) -> None:
     """Add the shaped-link options named in `options` to `parser`, with these defaults: rate None, no
-    shaped links unless --rate is given; rate LOOPBACK, --rate also takes "loopback"; aggregator_rate
-    None, RATE; max_datagram and window None, zerosum.Worker's (64 KiB, no window). The options named
-    in `runs` may be repeated, a run per value (a list, or their default). `notes` (option -> text)
-    replaces an option's "default ..." in its help where the script does more than take the default."""
+    shaped links unless --rate is given; aggregator_rate None, RATE; max_datagram and window None,
+    zerosum.Worker's (64 KiB, no window). With `loopback` (implied by rate LOOPBACK) --rate also takes
+    "loopback": the scripts that name the run without links so. The options named in `runs` may be
+    repeated, a run per value (a list, or their default). `notes` (option -> text) replaces an option's
+    "default ..." in its help where the script does more than take the default."""
     defaults = {"rate": rate, "aggregator-rate": aggregator_rate, "mtu": mtu, "max-datagram": max_datagram,
                 "window": window}
-    types = {"rate": link_rate if rate == LOOPBACK else rate_type, "aggregator-rate": rate_type,
+    types = {"rate": link_rate if loopback or rate == LOOPBACK else rate_type, "aggregator-rate": rate_type,
              "mtu": positive_int, "max-datagram": positive_int, "window": window_type}
     for name in options:
         several = name in runs
