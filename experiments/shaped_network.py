@@ -95,6 +95,19 @@ def _link_help(name: str, default, note: str | None, several: bool, loopback: bo
             + ("; repeat for several runs" if several else ""))
 
 
+def unwind_on_sigterm() -> None:
+    """Killed (SIGTERM), unwind, so that shaped_star removes its namespaces, bridge and firewall rule."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def split_example_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The script's own arguments, and those after `--`, which go to the example."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def on_host(namespace: str) -> list[str]:
     """The command prefix that runs a command on a host of the star (in its network namespace)."""
     return ["ip", "netns", "exec", namespace]
@@ -158,11 +171,8 @@ def run(rate: str, workers: int, aggregators: int, example: str, mtu: int, examp
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # killed (SIGTERM): unwind, so that shaped_star removes its namespaces, bridge and firewall rule
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    example_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    unwind_on_sigterm()
+    argv, example_args = split_example_args(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_link_options(p, ("rate", "mtu"), rate=["1gbit"], runs=("rate",))
     p.add_argument("--workers", type=positive_int, default=4)

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from report import json_safe, update_sections
-from shaped_network import LOOPBACK, add_link_options
+from shaped_network import LOOPBACK, add_link_options, split_example_args, unwind_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -296,12 +295,9 @@ def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv_given = list(argv)
-    # killed (SIGTERM): unwind, so that shaped_star removes its namespaces, bridge and firewall rule
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv_given = list(sys.argv[1:] if argv is None else argv)
+    unwind_on_sigterm()
+    argv, extra = split_example_args(argv_given)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", choices=list(EXPERIMENTS))
     add_link_options(p, ("rate", "mtu"), rate="1gbit", loopback=True)
