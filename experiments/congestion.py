@@ -38,10 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from zerosum import protocol as P
-from zerosum.local import CTX, LocalAggregator, new_key
+from zerosum.local import CTX, new_key
 from zerosum.netns import _bits, aggregator_ip, available, change_rate, rate_type, star, worker_ip
 
-PORT = 48879
+from shaped_network import add_link_options, aggregator_on, on_host
+
 BLOCK = 256                              # the workers' block size (Worker's default)
 ENTRY = P.ENTRY_SIZE + 4 * BLOCK         # bytes of one entry with its data on the wire
 
@@ -92,8 +93,8 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
         hosts["tcp"] = worker_ip(99)
     rates = {"a0": aggregator_rate}
     key = new_key()
-    with star(hosts, mtu, worker_rate, rates) as (ns, drops):
-        agg = LocalAggregator(None, listen=f"{aggregator_ip(0)}:{PORT}", key=key, prefix=["ip", "netns", "exec", ns["a0"]])
+    with star(hosts, mtu, worker_rate, rates) as (ns, drops), \
+            aggregator_on(ns["a0"], aggregator_ip(0), key=key) as agg:
         q = CTX.Queue()
         t0 = time.time() + 4.0             # every rank joined and warm by then
         starts = starts or [0.0] * len(jobs)
@@ -105,10 +106,10 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
             p.start()
         iperf = None
         if tcp_seconds:
-            server = subprocess.Popen(["ip", "netns", "exec", ns["a0"], "iperf3", "-s", "-1"],
+            server = subprocess.Popen([*on_host(ns["a0"]), "iperf3", "-s", "-1"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(max(0.5, t0 - time.time() - 1.0))
-            iperf = subprocess.Popen(["ip", "netns", "exec", ns["tcp"], "iperf3", "-c", aggregator_ip(0), "-J",
+            iperf = subprocess.Popen([*on_host(ns["tcp"]), "iperf3", "-c", aggregator_ip(0), "-J",
                                       "-t", str(tcp_seconds), "-i", "0.2"], stdout=subprocess.PIPE, text=True)
         if rate_change:
             time.sleep(max(0.0, t0 + rate_change[0] - time.time()))
@@ -122,7 +123,6 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
             server.wait(10)
             out["tcp"] = [(t0 - 1.0 + i["sum"]["end"], i["sum"]["bits_per_second"] / 8)
                           for i in report["intervals"]]
-        agg.stop()
     errors = [r for r in reports if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} ranks failed, e.g. job {errors[0]['job']} rank {errors[0]['rank']}: "
@@ -315,9 +315,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("what", choices=["single", "share", "tcp", "drop", "all"])
-    ap.add_argument("--rate", type=rate_type, action="append", help="single: worker link rates (default 50mbit, 1gbit)")
+    add_link_options(ap, ("rate", "mtu"), rate=["50mbit", "1gbit"], mtu=None, runs=("rate", "mtu"),
+                     notes={"rate": "single: the workers' links, the aggregator's 4x as fast; default 50mbit, 1gbit",
+                            "mtu": "default 1500; single: 1500 and 9000"})
     ap.add_argument("--share-rate", type=rate_type, default="200mbit", help="share/tcp/drop: the bottleneck's rate")
-    ap.add_argument("--mtu", type=int, action="append", help="link MTUs (default 1500; single: 1500 and 9000)")
     ap.add_argument("--size", type=int, default=1_048_576, help="floats per tensor")
     ap.add_argument("--rounds", type=int, default=5, help="single: allreduces per run")
     ap.add_argument("--seconds", type=float, default=6.0, help="share/tcp: seconds each job runs")
@@ -333,7 +334,6 @@ def main(argv=None):
         return
     if available():
         raise SystemExit(f"this experiment {available()}")
-    args.rate = args.rate or ["50mbit", "1gbit"]
     args.mtu = args.mtu or ([1500, 9000] if args.what in ("single", "all") else [1500])
     todo = ["single", "share", "tcp", "drop"] if args.what == "all" else [args.what]
     results = {w: globals()[w](args) for w in todo}

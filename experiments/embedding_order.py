@@ -57,9 +57,9 @@ import numpy as np
 
 from zerosum import placement as pl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import Ranks  # noqa: E402
-from report import json_safe, steps_text  # noqa: E402
+from ranks import Ranks
+from report import json_safe, steps_text
+from shaped_network import add_link_options, aggregator_ip, aggregator_on, on_host, shaped_star, worker_ip
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "embedding-order-result "
@@ -203,16 +203,10 @@ def network(args):
         finally:
             agg.stop()
         return
-    from shaped_network import aggregator_ip, shaped_star, worker_ip
-    from zerosum.spec import DEFAULT_PORT
     hosts = {"agg": aggregator_ip(0), **{f"w{r}": worker_ip(r) for r in range(args.workers)}}
-    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate or args.rate}) as (ns, drops):
-        agg = LocalAggregator(None, listen=f"{hosts['agg']}:{DEFAULT_PORT}", prefix=["ip", "netns", "exec", ns["agg"]],
-                              insecure=True)     # private network namespaces of this script
-        try:
-            yield agg, lambda rank: ["ip", "netns", "exec", ns[f"w{rank}"]], drops
-        finally:
-            agg.stop()
+    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate or args.rate}) as (ns, drops), \
+            aggregator_on(ns["agg"], hosts["agg"]) as agg:
+        yield agg, lambda rank: on_host(ns[f"w{rank}"]), drops
 
 
 def where_label(args) -> str:
@@ -317,15 +311,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=100, help="batches drawn to count the rows' frequencies")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate", type=_rate, help="run every worker and the aggregator on a host of its own "
-                    "(network namespaces) with links shaped to RATE both ways (tc's notation, e.g. 1gbit; "
-                    "needs root)")
-    ap.add_argument("--aggregator-rate", type=_rate, help="the aggregator's link with --rate (default: RATE)")
-    ap.add_argument("--mtu", type=int, default=9000, help="link MTU with --rate (default 9000)")
-    ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram (default: zerosum.Worker's, "
-                    "64 KiB; with --rate, MTU - 28 avoids IP fragments)")
-    ap.add_argument("--window", type=int, help="the workers' window, bytes in flight (zerosum.Worker(window=...), "
-                    "R-L6; default: none, every column at once)")
+    add_link_options(ap)
     ap.add_argument("--json", default=str(ROOT / "docs" / "embedding_order.json"),
                     help="results file; the rows of other networks in it are kept ('' for none)")
     ap.add_argument("--figure", default=str(ROOT / "docs" / "embedding_order.png"))
@@ -384,13 +370,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _rate(text: str) -> str:
-    from shaped_network import rate_type
-    return rate_type(text)
-
-
 def describe(args) -> str:
-    window = f", window {args.window} bytes" if args.window else ""
+    window = f", window {args.window}{' bytes' if isinstance(args.window, int) else ''}" if args.window else ""
     datagrams = f", datagrams <= {args.max_datagram} bytes" if args.max_datagram else ""
     if not args.rate:
         return "loopback, one local aggregator" + window + datagrams

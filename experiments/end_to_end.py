@@ -8,19 +8,17 @@ experiments/training_schemes.py e6). Writes its section of docs/compression.md.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compression import Problem, load_libsvm  # noqa: E402
-from report import update_sections  # noqa: E402
+from compression import Problem, load_libsvm
+from report import update_sections
 
-from zerosum import compression as C  # noqa: E402
+from zerosum import compression as C
 from zerosum.udp import free_port
-from zerosum.local import CTX, LocalAggregator  # noqa: E402
+from zerosum.local import CTX, LocalAggregator
 
 B = 8   # block size: the 124-value model is 16 blocks
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import json_safe, update_sections  # noqa: E402
+from report import json_safe, update_sections
+from shaped_network import LOOPBACK, add_link_options
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -55,11 +55,11 @@ def launch(example: str, schemes: str, args, extra=(), env_extra=None, during=No
     """One training run (rank 0's report); `during(proc)` runs in a thread while it trains."""
     example_args = ["--schemes", schemes, "--steps", str(args.steps), "--warmup", str(args.warmup),
                     *MODELS[example], *extra]
-    if getattr(args, "rate", "loopback") != "loopback":
+    if args.rate != LOOPBACK:
         from shaped_network import run
         for attempt in range(3):
             try:
-                return run(args.rate, args.workers, 0, example, 1500, example_args, args.timeout)
+                return run(args.rate, args.workers, 0, example, args.mtu, example_args, args.timeout)
             except SystemExit as e:   # a rank aborted in torch's teardown at exit (seen with gloo alone): again
                 if "terminate called without an active exception" not in str(e) or attempt == 2:
                     raise
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["paths", "failover"])
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--rate", default="loopback", help="loopback, or a tc rate such as 1gbit (needs root)")
+    add_link_options(ap, ("rate", "mtu"), rate=LOOPBACK, mtu=1500)
     ap.add_argument("--models", type=lambda s: s.split(","), default=["mlp", "embedding", "mixed"])
     ap.add_argument("--steps", type=int, default=None, help="steps per run (paths: 60, failover: 400)")
     ap.add_argument("--warmup", type=int, default=10)
@@ -244,10 +244,10 @@ def main(argv=None) -> int:
     if args.what == "paths":
         res = paths(args)
         text = paths_table(res["rows"])
-        name = f"hybrid_paths_{'loopback' if args.rate == 'loopback' else args.rate}"
-        section = (f"Per-step time, {args.workers} workers, {'loopback' if args.rate == 'loopback' else args.rate + ' links'}"
+        name = f"hybrid_paths_{args.rate}"
+        section = (f"Per-step time, {args.workers} workers, {args.rate + ('' if args.rate == LOOPBACK else ' links')}"
                    f", median of {args.repeats} runs of {args.steps} steps ({args.warmup} untimed), "
-                   f"`python3 experiments/hybrid.py paths{'' if args.rate == 'loopback' else ' --rate ' + args.rate}`"
+                   f"`python3 experiments/hybrid.py paths{'' if args.rate == LOOPBACK else ' --rate ' + args.rate}`"
                    f" ([docs/{name}.json]({name}.json)):\n\n{text}\n")
         heading = f"## H1-{args.rate}: each bucket on the faster path ({args.rate})"
     else:

@@ -38,11 +38,14 @@ import time
 
 import numpy as np
 
+from shaped_network import _bits, add_link_options, aggregator_on, on_host, sh, shaped_star
+
 JOBS = [(1, 2, 64), (2, 3, 256), (3, 4, 1024)]   # (job id, workers, block size)
 RESENT: dict[int, int] = {}                      # job -> entries its ranks retransmitted
 CRASHES: list[dict] = []                         # rank processes that ended without a report
 CPU: dict[int, list[float]] = {}                 # job -> CPU seconds per allreduce of each rank
 DROPS: dict[str, list[int]] = {}                 # phase -> packets dropped by shapers, sockets, reassembly (--rate)
+QUEUE_WINDOW = object()    # --window not given: with --rate 40 ms of the link rate (the shapers queue 50 ms)
 
 
 def _tensor(job, rank, round_, size, density, block):
@@ -175,10 +178,9 @@ def _reassembly_failures(namespaces) -> int:
     """IP datagrams the hosts' kernels could not reassemble: a fragment was lost (the rest wait ipfrag_time,
     30 s), or the host's reassembly memory (ipfrag_high_thresh, 4 MiB) was full, when every fragment is
     dropped until incomplete datagrams time out."""
-    from shaped_network import sh
     total = 0
     for ns in namespaces:
-        lines = [line.split() for line in sh("ip", "netns", "exec", ns, "cat", "/proc/net/snmp").stdout.splitlines()
+        lines = [line.split() for line in sh(*on_host(ns), "cat", "/proc/net/snmp").stdout.splitlines()
                  if line.startswith("Ip:")]
         total += int(dict(zip(*lines)).get("ReasmFails", 0)) if len(lines) == 2 else 0
     return total
@@ -186,36 +188,17 @@ def _reassembly_failures(namespaces) -> int:
 
 def _shaped(args) -> tuple[dict, dict, dict]:
     """The scenario with every worker on a host of its own (network namespaces, shaped links)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from shaped_network import shaped_star, sh
-    from zerosum.spec import DEFAULT_PORT
     # a host per rank; a job alone and its run together with the others (job + 10) use the same hosts
     host_of = lambda job, rank: f"j{job % 10 if job < 20 else job}r{rank}"
     ranks = [(job, r) for job, world, _ in JOBS for r in range(world)] + [(20, 0), (20, 1), (30, 0), (30, 1)]
     hosts = {"agg": "10.78.0.200", "noise": "10.78.0.201"}
     hosts.update({host_of(job, r): f"10.78.0.{i + 1}" for i, (job, r) in enumerate(ranks)})
-    address = f"{hosts['agg']}:{DEFAULT_PORT}"
-    # --insecure: the hosts are private network namespaces of this script (no key to hand to the ranks)
-    cmd = ["--listen", address, "--max-job-slots", "1024", "--job-idle", "5", "--insecure"]
-    if args.max_datagram:     # the results too: the worker's limit alone leaves them fragmented
-        cmd += ["--max-datagram", str(args.max_datagram)]
     with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate}) as (ns, drops), \
-            tempfile.TemporaryFile("w+") as log:   # not a pipe nobody reads: a full one would stop the aggregator
-        agg = subprocess.Popen(["ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "aggregator", *cmd],
-                               stdout=subprocess.DEVNULL, stderr=log, text=True)
-        try:
-            time.sleep(1.0)
-            if agg.poll() is not None:
-                log.seek(0)
-                raise SystemExit(f"aggregator exited: {log.read().strip()}")
-            alone, together = _scenario(address, args, lambda job, r: ["ip", "netns", "exec", ns[host_of(job, r)]],
-                                        ["ip", "netns", "exec", ns["noise"]],
-                                        lambda: (*drops(), _reassembly_failures(ns.values())))
-            counters = json.loads(sh("ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "stats",
-                                     address).stdout)["counters"]
-        finally:
-            agg.kill()
-            agg.wait()
+            aggregator_on(ns["agg"], hosts["agg"], max_job_slots=1024, job_idle=5.0,
+                          max_datagram=args.max_datagram) as agg:   # the results too: else they stay fragmented
+        alone, together = _scenario(agg.address, args, lambda job, r: on_host(ns[host_of(job, r)]),
+                                    on_host(ns["noise"]), lambda: (*drops(), _reassembly_failures(ns.values())))
+        counters = agg.stop()
     return alone, together, counters
 
 
@@ -225,15 +208,10 @@ def main(argv=None) -> int:
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--rate", help="run every worker on a host of its own with links shaped to RATE "
-                    "(tc's notation, e.g. 50mbit; needs root)")
-    ap.add_argument("--aggregator-rate", default="10gbit", help="the aggregator's link with --rate")
-    ap.add_argument("--mtu", type=int, default=9000, help="link MTU with --rate")
-    ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram, and with --rate the "
-                    "aggregator's (default 64 KiB; with --rate, MTU - 28 avoids IP fragments)")
-    ap.add_argument("--window", type=int, help="the workers' window in bytes (Worker(window=...)); with --rate "
-                    "the default is 40 ms of the link rate, within the shapers' queue of 50 ms (none on loopback; "
-                    "0: none)")
+    add_link_options(ap, aggregator_rate="10gbit", window=QUEUE_WINDOW,
+                     notes={"max-datagram": "default 64 KiB; with --rate the aggregator's too",
+                            "window": "default: with --rate 40 ms of the link rate, within the shapers' queues of "
+                                      "50 ms; none on loopback"})
     ap.add_argument("--one-rank", help=argparse.SUPPRESS)
     ap.add_argument("--garbage", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -244,11 +222,8 @@ def main(argv=None) -> int:
         _garbage(args.garbage[0], float(args.garbage[1]))
         return 0
     load = [os.getloadavg()[0]]   # this machine's other work (the timings share its cores)
-    if args.window is None and args.rate:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from shaped_network import _bits
-        args.window = _bits(args.rate) // 8 * 40 // 1000
-    args.window = args.window or None
+    if args.window is QUEUE_WINDOW:
+        args.window = _bits(args.rate) // 8 * 40 // 1000 if args.rate else None
     if args.rate:
         if os.geteuid() != 0:
             raise SystemExit("--rate needs root: it creates network namespaces, veth pairs, a bridge and tbf qdiscs")
@@ -263,8 +238,8 @@ def main(argv=None) -> int:
     load.append(os.getloadavg()[0])
     rows = []
     where = f"links of {args.rate} (aggregator {args.aggregator_rate})" if args.rate else "loopback"
-    where += "".join(f", {name} {v} B" for name, v in (("window", args.window), ("datagrams of at most", args.max_datagram))
-                     if v)
+    where += "".join(f", {name} {v}{' B' if isinstance(v, int) else ''}"
+                     for name, v in (("window", args.window), ("datagrams of at most", args.max_datagram)) if v)
     print(f"{where}: ", end="")
     print(f"{args.size:,} floats at density {args.density}, median of {args.rounds} allreduces, slowest rank")
     print(f"{'job':>4} {'workers':>7} {'block':>6} {'alone s':>8} {'together s':>10} {'ratio':>6} exact")

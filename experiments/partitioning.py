@@ -51,10 +51,9 @@ import scipy.sparse as sp
 
 from zerosum import placement as pl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from libsvm import read_libsvm  # noqa: E402
-from ranks import Ranks  # noqa: E402
-from report import json_safe, steps_text  # noqa: E402
+from libsvm import read_libsvm
+from ranks import Ranks
+from report import json_safe, steps_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data"

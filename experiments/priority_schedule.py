@@ -72,8 +72,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import update_sections  # noqa: E402
+from report import update_sections
+from shaped_network import _bits, add_link_options, aggregator_on, on_host, shaped_star
 
 VARIANTS = ("local", "ddp", "bucket", "priority", "hybrid")
 MARKER = "S2-RESULT "
@@ -289,27 +289,13 @@ def print_table(rows: list, where: str, cfg: dict) -> None:
 
 def _shaped(args, cfg) -> dict:
     """Every rank on a host of its own and the aggregator on another, links shaped to --rate."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from shaped_network import shaped_star
-    from zerosum.spec import DEFAULT_PORT
     hosts = {"agg": "10.79.0.200", **{f"r{r}": f"10.79.0.{r + 1}" for r in range(args.workers)}}
-    address = f"{hosts['agg']}:{DEFAULT_PORT}"
-    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate}) as (ns, drops):
-        agg = subprocess.Popen(["ip", "netns", "exec", ns["agg"], sys.executable, "-m", "zerosum", "aggregator",
-                                "--listen", address, "--workers", str(args.workers), "--job", str(cfg["job"]),
-                                "--insecure"],     # private network namespaces of this script
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            time.sleep(1.0)
-            if agg.poll() is not None:
-                raise SystemExit(f"aggregator exited: {agg.stderr.read().strip()}")
-            out = compare(args.workers, address, cfg, lambda r: ["ip", "netns", "exec", ns[f"r{r}"]],
-                          master=f"{hosts['r0']}:29631", env={"GLOO_SOCKET_IFNAME": "eth0"})
-            out["drops"] = dict(zip(("shaper", "socket"), drops()))
-            return out
-        finally:
-            agg.kill()
-            agg.wait()
+    with shaped_star(hosts, args.rate, args.mtu, {"agg": args.aggregator_rate}) as (ns, drops), \
+            aggregator_on(ns["agg"], hosts["agg"], args.workers, job=cfg["job"]) as agg:
+        out = compare(args.workers, agg.address, cfg, lambda r: on_host(ns[f"r{r}"]),
+                      master=f"{hosts['r0']}:29631", env={"GLOO_SOCKET_IFNAME": "eth0"})
+        out["drops"] = dict(zip(("shaper", "socket"), drops()))
+        return out
 
 
 def main(argv=None) -> int:
@@ -327,16 +313,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--timeout", type=float, default=30.0, help="the workers' allreduce timeout")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--rate", action="append", help="run every rank and the aggregator on hosts of their own "
-                    "with links shaped to RATE (tc's notation, e.g. 1gbit; needs root); repeat for several runs")
+    add_link_options(ap, aggregator_rate="10gbit", runs=("rate",),
+                     notes={"max-datagram": "default 64 KiB; with --rate MTU - 28"})
     ap.add_argument("--doc", action="store_true", help="write the tables as section S2 of docs/sync.md "
                     "(and the results to docs/s2.json)")
-    ap.add_argument("--aggregator-rate", default="10gbit", help="the aggregator's link with --rate")
-    ap.add_argument("--mtu", type=int, default=9000, help="link MTU with --rate")
-    ap.add_argument("--max-datagram", type=int, help="the workers' largest datagram (default 64 KiB; with "
-                    "--rate, MTU - 28: no IP fragments, whose loss costs a whole datagram)")
-    ap.add_argument("--window", type=int, help="the workers' bytes in flight (zerosum.Worker(window=...)); "
-                    "on shaped links about the bandwidth-delay product plus the shaper's queue")
     ap.add_argument("--one-rank", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_rank:
@@ -402,7 +382,6 @@ def predicted(out: dict) -> str:
     """The cost model's bytes and link time for one run (zerosum.costmodel): the dense gradient in one
     allreduce per step, a worker's link and the aggregator's (which carries every worker's results)."""
     from zerosum import costmodel as CM
-    from shaped_network import _bits
     cfg = out["config"]
     numel = cfg["depth"] * (cfg["width"] ** 2 + cfg["width"]) + cfg["width"] + 1
     cost = CM.zerosum_allreduce(numel, 1.0, 1.0, cfg["world"], max_datagram=cfg.get("max_datagram") or 65507)

@@ -12,20 +12,31 @@ is sampled. Exit code 1 on a wrong sum, a leaked slot or job, or memory that gre
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
 import resource
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from zerosum import protocol as P
+from zerosum.aggregator_service import AggregatorService
+from zerosum.local import memory
+from zerosum.reference import reference_allreduce
 
-from netsim import ServiceJob, run  # noqa: E402  (the in-memory lossy network of the test suite)
-from zerosum import protocol as P  # noqa: E402
-from zerosum.aggregator_service import AggregatorService  # noqa: E402
-from zerosum.local import memory  # noqa: E402
-from zerosum.reference import reference_allreduce  # noqa: E402
+
+def from_test_suite(name: str):
+    """A helper module of the test suite (tests/NAME.py), loaded from its file: tests/ is no package and
+    not on a script's path."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tests" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+netsim = from_test_suite("netsim")      # the in-memory lossy network of the test suite
+ServiceJob, run = netsim.ServiceJob, netsim.run
 
 
 def rss_mib() -> float:

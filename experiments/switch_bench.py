@@ -136,7 +136,6 @@ def start_switch(kind: str, ports: dict[int, str], config: dict, loss: float = 0
             if s.connect_ex(("127.0.0.1", grpc_port)) == 0:
                 break
         time.sleep(0.2)
-    sys.path.insert(0, str(HERE))
     from mininet_star import configure
     return proc, configure(f"127.0.0.1:{grpc_port}", config)
 

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import json_safe, update_sections  # noqa: E402
+from report import json_safe, update_sections
+from shaped_network import LOOPBACK, add_link_options, split_example_args, unwind_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -88,7 +87,7 @@ def launch(example: str, schemes: str, args, extra: list[str]) -> dict:
     """One training run of `example` with `schemes`; returns the harness's report (rank 0's JSON)."""
     example_args = ["--schemes", schemes, "--steps", str(args.steps), "--warmup", str(args.warmup),
                     *MODELS[example], *extra]
-    if args.rate != "loopback":
+    if args.rate != LOOPBACK:
         from shaped_network import run
         return run(args.rate, args.workers, 0, example, args.mtu, example_args, args.timeout)
     torchrun = shutil.which("torchrun")
@@ -171,7 +170,7 @@ def predictions(rows: list[dict], densities, numel: int, world: int, rate: str) 
         extra = {"period": int(s.args[0])} if s.kind == "localsgd" else {"density": s.density(world)}
         cost = CM.scheme_step(s.kind, numel, world, densities, **extra)
         r["predicted_sent_mb"], r["predicted_received_mb"] = cost.sent / 1e6, cost.received / 1e6
-        if rate != "loopback" and local is not None:
+        if rate != LOOPBACK and local is not None:
             link = CM.link_seconds(s.kind, cost, world, _bits(rate)) * 1e3
             r["predicted_step_ms"] = max(local, link) if s.kind == "delayed" else local + link
 
@@ -273,10 +272,10 @@ def figure(result: dict, example: str, path: Path) -> None:
 
 
 def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]:
-    where = ("loopback (every process on this machine's cores, no link limit)" if result["rate"] == "loopback"
+    where = ("loopback (every process on this machine's cores, no link limit)" if result["rate"] == LOOPBACK
              else f"links shaped to {result['rate']} both ways (experiments/shaped_network.py: a network "
                   "namespace per worker, veth, tbf; one aggregator on every worker's host)")
-    key = exp.key + (" (loopback)" if result["rate"] == "loopback" else "")
+    key = exp.key + (" (loopback)" if result["rate"] == LOOPBACK else "")
     lines = [f"## {key}: {exp.title}", "",
              f"`python3 experiments/training_schemes.py {command}` (numbers below are its output): "
              f"{result['workers']} workers on {where}; {result['steps']} steps ({result['warmup']} untimed), "
@@ -296,15 +295,12 @@ def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv_given = list(argv)
-    # killed (SIGTERM): unwind, so that shaped_star removes its namespaces, bridge and firewall rule
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv_given = list(sys.argv[1:] if argv is None else argv)
+    unwind_on_sigterm()
+    argv, extra = split_example_args(argv_given)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", choices=list(EXPERIMENTS))
-    p.add_argument("--rate", default="1gbit", help="link rate as tc writes it, or 'loopback' (default 1gbit)")
+    add_link_options(p, ("rate", "mtu"), rate="1gbit", loopback=True)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--example", action="append", choices=list(MODELS), help="default: both")
     p.add_argument("--schemes", help="override the experiment's scheme list (zerosum.examples.schemes)")
@@ -312,7 +308,6 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smooth", type=int, default=20, help="steps in the loss's trailing mean")
     p.add_argument("--target", type=float, help="target loss (default: see above)")
-    p.add_argument("--mtu", type=int, default=9000)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--out", metavar="NAME", help="write docs/NAME.json, docs/NAME.png and the doc section "
                    "(default: the experiment's name; 'none' writes nothing)")
@@ -320,13 +315,10 @@ def main(argv=None) -> int:
     exp = EXPERIMENTS[args.experiment]
     args.steps = args.steps or exp.steps
     args.example = args.example or list(MODELS)
-    if args.rate != "loopback":
-        from shaped_network import rate_type
-        rate_type(args.rate)
-        if os.geteuid() != 0:
-            raise SystemExit("shaped links need root (network namespaces, veth, tbf); or use --rate loopback")
+    if args.rate != LOOPBACK and os.geteuid() != 0:
+        raise SystemExit("shaped links need root (network namespaces, veth, tbf); or use --rate loopback")
     result = run_experiment(exp, args, extra)
-    name = args.out or f"{args.experiment}_{'loopback' if args.rate == 'loopback' else 'shaped'}"
+    name = args.out or f"{args.experiment}_{'loopback' if args.rate == LOOPBACK else 'shaped'}"
     if name != "none":
         (DOCS / f"{name}.json").write_text(json.dumps(json_safe(result), indent=1))
         for example in result["models"]:

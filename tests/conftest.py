@@ -1,7 +1,10 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# The tests' helper modules, then the experiment scripts (which tests import as modules): one place for
+# both, and processes the tests start with multiprocessing inherit it.
+sys.path[:0] = [TESTS, os.path.join(os.path.dirname(TESTS), "experiments")]
 
 
 def pytest_sessionstart(session):

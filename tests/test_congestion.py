@@ -209,12 +209,9 @@ def test_real_workers_with_the_automatic_window(loss):
 def test_the_shaped_link_experiment_runs_and_reports(tmp_path):
     """experiments/congestion.py: one small job of two workers on 50 Mbit/s links in network namespaces
     (root and iproute2 needed), exact, and its report."""
-    import pathlib
-    import sys
     from zerosum.netns import available
     if available():
         pytest.skip(f"the shaped-link experiment {available()}")
-    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "experiments"))   # its ranks import it too
     import congestion as E
     out = E.run_jobs([2], worker_rate="50mbit", aggregator_rate="200mbit", mtu=1500, size=65536, rounds=2)
     (job,) = out["jobs"]

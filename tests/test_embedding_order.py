@@ -13,7 +13,6 @@ pytest.importorskip("scipy.sparse", reason="zerosum.placement needs scipy (pip i
 pytest.importorskip("torch", reason="the embedding example needs torch")
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 SCRIPT = EXPERIMENTS / "embedding_order.py"
-sys.path.insert(0, str(EXPERIMENTS))
 import embedding_order as E  # noqa: E402
 
 

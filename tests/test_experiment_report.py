@@ -1,9 +1,5 @@
 """The experiment scripts share docs/compression.md: each replaces its own sections, nothing else."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-from report import update_sections  # noqa: E402
+from report import update_sections
 
 
 def test_a_section_is_replaced_in_place_and_others_kept(tmp_path):
