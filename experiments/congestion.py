@@ -10,7 +10,7 @@ Every worker runs on a host of its own (a network namespace with one veth link, 
 tbf with a 50 ms queue, zerosum.netns), and so does the one aggregator that serves every job.
 
 - single: one job of 4 workers whose links run at --rate, behind an aggregator link 4x as fast; the
-  automatic window (Worker's default) against no window and fixed windows of 1/4 to 4 times the path's
+  automatic window (window="auto") against no window and fixed windows of 1/4 to 4 times the path's
   bandwidth-delay product plus 10 ms of queue (the best of them is the best hand-tuned window).
 - share: 2 and 3 jobs of 2 workers each, started 1 s apart; the aggregator's link (--rate) is the
   bottleneck that they share, every worker link runs at 4x. Jain's fairness index of the jobs' rates
@@ -76,7 +76,8 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
                     exact &= y.tobytes() == ref.tobytes()
             q.put({"job": job, "rank": rank, "log": log, "exact": exact,
                    "retransmitted": w.stats.retransmitted_entries, "sent": w.stats.bytes_sent,
-                   "window": w.stats.window, "srtt": w.stats.srtt, "cuts": list(w.stats.window_cuts)})
+                   "window": w.stats.window, "srtt": w.stats.srtt, "cuts": list(w.stats.window_cuts),
+                   "spurious": w.stats.spurious_entries})
     except Exception as e:
         q.put({"job": job, "rank": rank, "error": f"{type(e).__name__}: {e}"})
 
@@ -132,7 +133,7 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
         out["jobs"].append({
             "log": mine[0]["log"], "exact": mine[0]["exact"],
             "retransmitted": sum(r["retransmitted"] for r in mine), "sent": sum(r["sent"] for r in mine),
-            "windows": [r["window"] for r in mine], "srtt": [r["srtt"] for r in mine],
+            "spurious": sum(r["spurious"] for r in mine), "windows": [r["window"] for r in mine], "srtt": [r["srtt"] for r in mine],
             "cuts": [r["cuts"] for r in mine]})
     return out
 
@@ -170,6 +171,7 @@ def single(args) -> dict:
                 row = {"rate": rate, "mtu": mtu, "window": label, "time_s": statistics.median(map(median_time, jobs)),
                        "times_s": [median_time(j) for j in jobs],
                        "retransmitted": statistics.median(j["retransmitted"] for j in jobs),
+                       "spurious": statistics.median(j["spurious"] for j in jobs),
                        "retransmitted_share": statistics.median(j["retransmitted"] / max(1, j["sent"] / ENTRY)
                                                                 for j in jobs),
                        "shaper_drops": statistics.median(r["shaper_drops"] for r in runs),
@@ -246,12 +248,12 @@ def write_doc(results: dict, path: Path, command: str) -> None:
              "fast links are CPU-bound). Every sum was checked against the fixed-point reference.", ""]
     if "single" in results:
         lines += ["## One job, 4 workers, worker links at the rate, aggregator link 4x", "",
-                  "| rate | MTU | window | allreduce (s, median) | runs | retransmitted entries (share) | "
+                  "| rate | MTU | window | allreduce (s, median) | runs | retransmitted entries (share; of them held already) | "
                   "shaper drops | settled window (kB) | srtt (ms) | exact |", "|---|--:|---|--:|---|--:|--:|--:|--:|:-:|"]
         for r in results["single"]["rows"]:
             lines.append(f"| {r['rate']} | {r['mtu']} | {r['window']} | {r['time_s']:.3f} | "
                          f"{', '.join(f'{t:.3f}' for t in r['times_s'])} | {r['retransmitted']:.0f} "
-                         f"({100 * r['retransmitted_share']:.3f} %) | {r['shaper_drops']:.0f} | "
+                         f"({100 * r['retransmitted_share']:.3f} %; {r.get('spurious', 0):.0f}) | {r['shaper_drops']:.0f} | "
                          f"{r['settled_window'] / 1e3:,.0f} | {r['srtt_ms']:.1f} | {'yes' if r['exact'] else 'NO'} |")
         for rate, mtu in sorted({(r["rate"], r["mtu"]) for r in results["single"]["rows"]}):
             rows = [r for r in results["single"]["rows"] if (r["rate"], r["mtu"]) == (rate, mtu)]

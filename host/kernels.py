@@ -290,6 +290,7 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
     violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
+    counts[7] counts the STATUS entries for current rounds past the bootstrap (spurious retransmissions).
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
     was sent once only): the congestion controller's samples (a bootstrap round also waits for ranks
@@ -324,6 +325,8 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
             if block == round_block[c]:
                 waiting_for[c] = nxt
                 status_seen[c] = True
+                if block != BOOT:
+                    counts[7] += 1      # the aggregator held our entry: what we resent was not lost
                 # the aggregator holds our contribution and waits for others: no need to resend soon
                 rto[c] = min(rto[c] * 2, max_rto)
                 deadline[c] = max(deadline[c], now + rto[c])
@@ -472,8 +475,8 @@ class WorkerState(NamedTuple):
     cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out
     values: np.ndarray         # float32 or int32: where sums go (DenseResult/CollectedBlocks .flat)
     blocks_out: np.ndarray     # int64: with collect, the block of each row of values
-    counts: np.ndarray         # int64 [6]: duplicates, rows used, columns done, union blocks, and the
-    #                            congestion samples of the last datagram (apply_datagram)
+    counts: np.ndarray         # int64 [8]: duplicates, rows used, columns done, union blocks, the
+    #                            congestion samples of the last datagram and its STATUS entries (apply_datagram)
     f: np.ndarray              # float64 [F_*]
     i: np.ndarray              # int64 [I_*]
     drops: np.ndarray          # int64 [len(WORKER_DROPS)]
@@ -482,11 +485,12 @@ class WorkerState(NamedTuple):
 # f[]: timing and the congestion window
 (F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
- F_QUEUE) = range(18)
+ F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH) = range(21)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
- I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS) = range(22)
+ I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
+ I_REO_CLEAN, I_SPURIOUS) = range(25)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -527,6 +531,8 @@ DELAY_GAIN = 0.8        # R-C3: the cut per unit of relative excess delay (Swift
 MAX_DELAY_CUT = 0.5     # R-C3: at most half the window per round trip
 LOSS_CUT = 0.5          # R-C4: a loss behind a queue
 RANDOM_LOSS_CUT = 0.8   # R-C4: a loss with no queue to speak of (TCP Veno, JSAC 2003, section II.B: 4/5)
+MAX_REORDER_MULT = 16   # R-C4: the reordering window grows to at most 16x (RFC 8985, section 6.2.4)
+REORDER_RESET = 16      # R-C4: back to 1x after this many loss detections without a spurious one
 
 
 @njit(**JIT)
@@ -542,6 +548,7 @@ def cut_window(st, factor, now):
     f = st.f
     f[F_CWND] = max(f[F_CWND] * factor, np.float64(st.i[I_ENTRY]))
     f[F_SSTHRESH] = f[F_CWND]
+    f[F_PRIOR_CWND] = 0.0           # only a loss cut can be undone (on_spurious)
     f[F_NEXT_CUT] = now + (f[F_SRTT] if st.i[I_HAS_SRTT] else f[F_BASE_RTO])
     set_window(st)
 
@@ -604,7 +611,7 @@ def detect_loss(st, now):
     f = st.f
     if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0:
         return
-    before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET])
+    before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET]) * st.i[I_REO_MULT]
     rb, ready, sent_at, deadline = st.round_block, st.ready, st.sent_at, st.deadline
     A = st.probe.shape[0]
     lost = False
@@ -614,6 +621,10 @@ def detect_loss(st, now):
             st.loss_confirmed[c % A] = True
             lost = True
     if lost:
+        st.i[I_REO_CLEAN] += 1
+        if st.i[I_REO_CLEAN] >= REORDER_RESET:
+            st.i[I_REO_MULT] = 1
+            st.i[I_REO_CLEAN] = 0
         on_loss(st, now)
 
 
@@ -626,7 +637,32 @@ def on_loss(st, now):
     if st.i[I_CONGESTION] and now >= st.f[F_NEXT_CUT]:
         st.i[I_LOSS_CUTS] += 1
         queued = st.f[F_QUEUE] >= 0.5 * st.f[F_TARGET]
+        prior_cwnd, prior_ssthresh = st.f[F_CWND], st.f[F_SSTHRESH]
         cut_window(st, LOSS_CUT if queued else RANDOM_LOSS_CUT, now)
+        st.f[F_PRIOR_CWND], st.f[F_PRIOR_SSTHRESH] = prior_cwnd, prior_ssthresh
+
+
+@njit(**JIT)
+def on_spurious(st, entries, now):
+    """R-C4: the aggregator answered `entries` resent entries with STATUS: it held them already, so they
+    were not lost (a retransmission or probe that another rank's lateness set off; the STATUS is to
+    ZeroSum what a DSACK is to TCP). Undo the last loss cut, if no cut came after it (RFC 3522's
+    response, Linux's DSACK undo), and widen the reordering window by one step, at most once per epoch
+    (RFC 8985, section 6.2.4)."""
+    f, i = st.f, st.i
+    i[I_SPURIOUS] += entries
+    if not i[I_CONGESTION]:
+        return
+    if f[F_PRIOR_CWND] > 0.0:
+        f[F_CWND] = max(f[F_CWND], f[F_PRIOR_CWND])
+        f[F_SSTHRESH] = max(f[F_SSTHRESH], f[F_PRIOR_SSTHRESH])
+        f[F_PRIOR_CWND] = 0.0
+        i[I_LOSS_CUTS] -= 1
+        set_window(st)
+    i[I_REO_CLEAN] = 0
+    if f[F_REO_EPOCH] != f[F_EPOCH_START]:
+        f[F_REO_EPOCH] = f[F_EPOCH_START]
+        i[I_REO_MULT] = min(i[I_REO_MULT] + 1, MAX_REORDER_MULT)
 
 
 @njit(inline="always", **JIT)
@@ -682,6 +718,9 @@ def receive_one(st, b, n, aggregator, now):
         st.i[I_BAD_BLOCK] = block
         return code                                   # R-L4
     st.last_heard[aggregator] = now
+    if st.counts[7]:
+        on_spurious(st, st.counts[7], now)
+        st.counts[7] = 0
     if ptype == P.RESULT:
         st.f[F_LAST_PROGRESS] = now
         st.i[I_REMAINING] = S - st.counts[2]

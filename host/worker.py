@@ -38,6 +38,7 @@ class WorkerStats:
     srtt: float | None = None   # its smoothed round trip, seconds
     min_rtt: float | None = None
     window_cuts: tuple = (0, 0)  # congestion window cuts for delay and for loss (R-C3, R-C4), all allreduces
+    spurious_entries: int = 0    # resent entries the aggregator already held (its STATUS answers; R-C4)
 
 
 def _aggregator_list(aggregators) -> tuple[list[str], list[tuple[str, int]]]:
@@ -447,6 +448,7 @@ class Worker:
             self.stats.srtt, self.stats.min_rtt = m.srtt, (m.path.min_rtt if np.isfinite(m.path.min_rtt) else None)
             cuts = m.window_cuts
             self.stats.window_cuts = (self.stats.window_cuts[0] + cuts[0], self.stats.window_cuts[1] + cuts[1])
+            self.stats.spurious_entries += m.spurious_entries
             self.last_union = (m.union_blocks, source.nblocks)
         self.stats.allreduces += 1
 

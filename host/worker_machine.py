@@ -42,6 +42,7 @@ class PathEstimate(NamedTuple):
     cwnd: float
     ssthresh: float
     min_rtt: float
+    reorder: int = 1        # the reordering window's multiple (R-C4)
 
 
 @dataclass
@@ -215,15 +216,16 @@ class AllreduceMachine:
             # datagrams are built here: at most one per column, each at most max_datagram bytes
             out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
-            counts=output.count if output.collect else np.zeros(7, np.int64),
+            counts=output.count if output.collect else np.zeros(8, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
-                        0.0], np.float64),
-            i=np.zeros(22, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+                        0.0, 0.0, 0.0, np.nan], np.float64),
+            i=np.zeros(25, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
         i[K.I_CONGESTION] = congestion
+        i[K.I_REO_MULT] = 1 if fresh else path.reorder
         i[K.I_ENTRY] = entry
         i[K.I_ADMITTED] = S if window >= S else 0
         i[K.I_WINDOW] = window
@@ -276,11 +278,16 @@ class AllreduceMachine:
         return int(self.st.i[K.I_DELAY_CUTS]), int(self.st.i[K.I_LOSS_CUTS])
 
     @property
+    def spurious_entries(self) -> int:
+        """Resent entries that the aggregator answered with STATUS: it held them already (R-C4)."""
+        return int(self.st.i[K.I_SPURIOUS])
+
+    @property
     def path(self) -> PathEstimate:
         """What this allreduce learnt about the path, for the next one."""
         f = self.st.f
         return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(f[K.F_CWND]), float(f[K.F_SSTHRESH]),
-                            float(f[K.F_MIN_RTT]))
+                            float(f[K.F_MIN_RTT]), int(self.st.i[K.I_REO_MULT]))
 
     @property
     def srtt(self):

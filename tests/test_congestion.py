@@ -87,6 +87,67 @@ def test_a_loss_without_a_queue_cuts_by_a_fifth():
     assert m.cwnd == pytest.approx(32 * ENTRY) and m.window_cuts == (0, 1)
 
 
+def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering_window():
+    m = machine()
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_CWND], st.f[K.F_SSTHRESH] = 40 * ENTRY, 80 * ENTRY
+    st.f[K.F_QUEUE] = st.f[K.F_TARGET]
+    K.on_loss(st, 1.0)
+    assert m.cwnd == 20 * ENTRY and m.window_cuts == (0, 1)
+    K.on_spurious(st, 2, 1.001)                                     # R-C4: STATUS answered what was resent
+    assert m.cwnd == 40 * ENTRY and st.f[K.F_SSTHRESH] == 80 * ENTRY and m.window_cuts == (0, 0)
+    assert m.window_columns == 40 and m.spurious_entries == 2 and st.i[K.I_REO_MULT] == 2
+    K.on_spurious(st, 1, 1.002)                                     # once per epoch, and nothing left to undo
+    assert st.i[K.I_REO_MULT] == 2 and m.cwnd == 40 * ENTRY and m.spurious_entries == 3
+    st.f[K.F_EPOCH_START] = 1.003
+    K.on_spurious(st, 1, 1.004)
+    assert st.i[K.I_REO_MULT] == 3
+    st.f[K.F_MIN_RTT] = 0.001
+    K.on_rounds(st, 1, 0.02, 1.1, 1.08)                             # a delay cut (R-C3) is not undone
+    cut = m.cwnd
+    assert m.window_cuts == (1, 0) and cut < 40 * ENTRY
+    K.on_spurious(st, 1, 1.101)
+    assert m.cwnd == cut
+
+
+def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
+    m = machine()
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_MIN_RTT] = 0.001
+    st.i[K.I_ADMITTED] = 2
+    st.round_block[:2] = 3                                          # two rounds in flight
+    st.sent_at[0], st.sent_at[1] = 1.0, 1.007
+    st.deadline[:2] = 2.0
+    st.f[K.F_DELIVERED_SENT] = 1.008                                # a round sent 8 ms after column 0's arrived
+    st.i[K.I_REO_MULT] = 2                                          # 10 ms: not yet lost
+    K.detect_loss(st, 1.01)
+    assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
+    st.i[K.I_REO_MULT] = 1                                          # 5 ms (the delay target): lost, resent now
+    K.detect_loss(st, 1.01)
+    assert st.deadline[0] == 1.01 and st.deadline[1] == 2.0 and st.loss_confirmed[0] and m.window_cuts == (0, 1)
+    st.i[K.I_REO_MULT] = 4
+    st.i[K.I_REO_CLEAN] = K.REORDER_RESET - 1
+    st.f[K.F_DELIVERED_SENT] = 1.03
+    K.detect_loss(st, 1.04)                                         # RFC 8985 6.2.4: back to 1x
+    assert st.i[K.I_REO_MULT] == 1 and st.i[K.I_REO_CLEAN] == 0
+
+
+def test_a_status_answer_from_the_aggregator_counts_as_spurious():
+    m = machine(columns=4)
+    st = m.st
+    st.round_block[:] = 0                                           # every column at its first round past BOOT
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    ent = P.entries_array(2)
+    ent[0] = (1, 0, 0, 0b11, 0, P.NO_EXP)                           # slot 1: both ranks heard, round of block 0
+    ent[1] = (2, 0, 2, 0b01, 0, P.NO_EXP)                           # slot 2: not its current round: not counted
+    hdr = P.Header(P.STATUS, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
+    datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.0) == K.APPLIED
+    assert m.spurious_entries == 1 and st.i[K.I_REO_MULT] == 2 and st.waiting_for[1] == 0b11
+
+
 def test_the_cap_and_a_window_that_does_not_limit():
     m = machine(window=12 * ENTRY)
     st = m.st
