@@ -21,6 +21,10 @@ T_k keeping the k entries of largest magnitude. This module holds the rule over 
   `wire_bytes` (entries, payload, datagram headers, and the header-only entries of a worker that has no
   data in a block of the common set), for every k at once; `choose_blocks` applies the rule with it.
 
+`LevelTracker` replaces the one-step rule by an online search over levels scored by the measured
+decrease of log ||∇f||² per bit over segments of steps; `level_grid` gives it the levels, from dense
+(`encode_dense`: all d values without indices, `BitCost.dense_bits`) down.
+
 `AdaptiveTopKBlocks` is the rule applied inside error feedback, per worker, on whole blocks, with an
 approximate ZeroSum cost; that is not the setting in which the descent-lemma argument holds (the previous
 E4 measured it: docs/compression.md)."""
