@@ -525,3 +525,13 @@ def test_level_tracker_warmup_ignores_the_transient_after_a_switch():
     spent = _track(careful, rate, cost, 300)
     assert careful.levels[careful.current] == 16
     assert spent[8] / (spent[8] + spent[16]) < 0.15                     # probes only, backing off
+
+
+def test_gap_level_tracker_scores_the_log_gap_with_the_latest_lower_bound():
+    tracker = A.GapLevelTracker([8, 4], segment_bits=10.0)
+    tracker.choose_gap(9.0, 0.0, 0.0)                       # f = 9, f* ≥ 0
+    tracker.choose_gap(5.0, 1.0, 10.0)                      # segment ends: ℓ = 1 for both ends
+    assert tracker.segments[0][0] == 8
+    assert np.isclose(tracker.segments[0][1], np.log(8 / 4) / 10)
+    tracker.choose_gap(3.0, 0.5, 20.0)                      # a looser bound does not replace a tighter one
+    assert np.isclose(tracker.segments[1][1], np.log(4 / 2) / 10) and tracker.lower == 1.0

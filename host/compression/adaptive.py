@@ -332,18 +332,48 @@ class LevelTracker:
         if neighbour is not None and self.since_probe >= self.wait[self.direction]:
             self.probing, self.active, self.since_probe = True, neighbour, 0
 
+    def _score(self, start: tuple[float, float], end: tuple[float, float]) -> float:
+        """A segment's score from its observations (potential, bits) where scoring began and at its end."""
+        return (start[0] - end[0]) / (end[1] - start[1])
+
     def choose(self, potential: float, bits: float) -> int:
         """The level for the next step, given the potential now (log ||∇f||²) and the bits sent so far."""
+        now = (potential, bits)
         if self.segment_start is None:
-            self.segment_start = (potential, bits)
+            self.segment_start = now
         if self.scored_from is None and bits - self.segment_start[1] >= self.warmup * self.segment_bits:
-            self.scored_from = (potential, bits)
+            self.scored_from = now
         if bits - self.segment_start[1] >= self.segment_bits and bits > self.scored_from[1]:
-            self._end_segment((self.scored_from[0] - potential) / (bits - self.scored_from[1]))
-            self.segment_start, self.scored_from = (potential, bits), None
+            self._end_segment(self._score(self.scored_from, now))
+            self.segment_start, self.scored_from = now, None
             if self.warmup == 0:
                 self.scored_from = self.segment_start
         return int(self.levels[self.active])
+
+
+class GapLevelTracker(LevelTracker):
+    """`LevelTracker` with the potential log(f(x) − ℓ) instead of log ||∇f(x)||², ℓ the largest lower bound
+    on f* given so far, applied to both ends of a segment when it ends (so that a later, tighter bound
+    rescales both alike). For a μ-strongly convex f, f* ≥ f(x) − ||∇f(x)||²/(2μ) at every x (Nesterov 2004,
+    Thm 2.1.10; the PL inequality, Karimi et al. 2016, eq. (3)), a bound that tightens as ||∇f|| → 0;
+    with ℓ = f* (an oracle) a segment's score is the decrease of log(f − f*) per bit, the quantity the
+    bits to a target depend on. Unlike ||∇f||², f − ℓ does not drop when top-k flattens the gradient.
+
+        tracker.choose_gap(f(x), f(x) - g @ g / (2 * mu), bits_sent_so_far)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lower = -np.inf
+
+    def _score(self, start, end) -> float:
+        gap = lambda value: max(value - self.lower, np.finfo(float).tiny)
+        return (np.log(gap(start[0])) - np.log(gap(end[0]))) / (end[1] - start[1])
+
+    def choose_gap(self, value: float, lower: float, bits: float) -> int:
+        """The level for the next step, given f(x) now, a lower bound on f*, and the bits sent so far."""
+        self.lower = max(self.lower, lower)
+        return self.choose(value, bits)
 
 
 # ---------------------------------------------------------------------------------------------------------
