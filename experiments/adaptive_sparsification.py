@@ -521,11 +521,15 @@ class Pricer:
     (`encode_dense`; ZeroSum: uncompressed, blocks of 256). The bits are those the encoders emit, measured
     once per (k, non-zero values) and checked against the models' formulas."""
 
-    def __init__(self, d: int):
-        self.d, self.costs, self.models = d, bit_costs(d), level_models(d)
+    def __init__(self, d: int, costs: dict[str, A.BitCost] | None = None):
+        """`costs`: the bit models (default `bit_costs`, and ZeroSum beside them; given: those alone)."""
+        self.d = d
+        self.costs = bit_costs(d) if costs is None else costs
+        self.models = level_models(d) if costs is None else {name: (c, c.dense_bits) for name, c in costs.items()}
         dense = np.ones(d, np.float32)
         self.dense = {name: A.emitted_bits(A.encode_dense(dense, cost)) for name, cost in self.costs.items()}
-        self.dense["zerosum"] = self.models["zerosum"][1]
+        if "zerosum" in self.models:
+            self.dense["zerosum"] = self.models["zerosum"][1]
         for name, cost in self.costs.items():
             assert self.dense[name] == cost.dense_bits, name
         self.memo: dict = {}
@@ -534,7 +538,8 @@ class Pricer:
         key = (len(idx), int(np.count_nonzero(vals)))
         if key not in self.memo:
             sparse = {name: A.emitted_bits(A.encode_sparse(idx, vals, cost)) for name, cost in self.costs.items()}
-            sparse["zerosum"] = 8 * zerosum_single_bytes(self.d, idx, vals)
+            if "zerosum" in self.models:
+                sparse["zerosum"] = 8 * zerosum_single_bytes(self.d, idx, vals)
             for name, cost in self.costs.items():
                 assert sparse[name] == cost(np.array([len(idx)]))[0], name
             self.memo[key] = {name: min(bits, self.dense[name]) for name, bits in sparse.items()}
@@ -572,19 +577,34 @@ def greedy_chooser(sparse, dense):
     return lambda g, bits: A.choose_k(g, lambda k: np.minimum(sparse(k), dense))[0]
 
 
-def tracker_chooser(d, sparse, dense):
-    """`LevelTracker` over `level_grid`, segments of SEGMENT_DENSE_STEPS dense steps' bits, potential
-    log ||g||²."""
-    tracker = A.LevelTracker(A.level_grid(d, sparse, dense), SEGMENT_DENSE_STEPS * dense, warmup=WARMUP)
-    choose = lambda g, bits: tracker.choose(float(np.log(g @ g)), bits)
+TRACKERS = {"tracker": "log ||g||²", "tracker-PL": "log(f − ℓ), ℓ = max f − ||g||²/(2λ)",
+            "tracker-f*": "log(f − f*), an oracle"}
+
+
+def tracker_chooser(problem, sparse, dense, kind="tracker"):
+    """A tracker over `level_grid`, segments of SEGMENT_DENSE_STEPS dense steps' bits, the first WARMUP
+    of each unscored. 'tracker': `LevelTracker`, potential log ||g||²; 'tracker-PL': `GapLevelTracker`
+    with the lower bound f − ||g||²/(2λ) (f is λ-strongly convex); 'tracker-f*': the same with f* itself."""
+    levels = A.level_grid(problem.d, sparse, dense)
+    if kind == "tracker":
+        tracker = A.LevelTracker(levels, SEGMENT_DENSE_STEPS * dense, warmup=WARMUP)
+        return (lambda g, bits: tracker.choose(float(np.log(g @ g)), bits)), tracker
+    tracker = A.GapLevelTracker(levels, SEGMENT_DENSE_STEPS * dense, warmup=WARMUP)
+
+    def choose(g, bits):
+        f = problem.value()
+        lower = problem.f_star if kind == "tracker-f*" else f - float(g @ g) / (2 * problem.lam)
+        return tracker.choose_gap(f, lower, bits)
     return choose, tracker
 
 
-def part3(problem, eps, max_steps, log=print):
+def part3(problem, eps, max_steps, log=print, pricer: Pricer | None = None, levels=None):
+    """Fixed k (`fixed_levels`, or `levels`), the one-step rule and the tracker under every model of
+    `pricer` (default: `Pricer(d)`)."""
     d = problem.d
-    pricer = Pricer(d)
+    pricer = pricer or Pricer(d)
     runs = {}
-    for k in fixed_levels(d):
+    for k in levels or fixed_levels(d):
         t = time.time()
         runs[f"k={k}"] = r = descend_levels(problem, lambda g, bits: k, pricer, None, eps, max_steps)
         log(f"  {problem.data.name} fixed k={k}: {r['steps']} steps ({time.time() - t:.1f}s)")
@@ -592,13 +612,51 @@ def part3(problem, eps, max_steps, log=print):
         t = time.time()
         runs[f"greedy[{model}]"] = r = descend_levels(problem, greedy_chooser(sparse, dense), pricer, model,
                                                       eps, max_steps)
-        choose, tracker = tracker_chooser(d, sparse, dense)
-        runs[f"tracker[{model}]"] = r2 = descend_levels(problem, choose, pricer, model, eps, max_steps)
-        r2["path"] = [k for k, _ in tracker.segments]
-        log(f"  {problem.data.name} {model}: greedy {r['steps']} steps k mean {r['k_mean']:.1f}, tracker "
-            f"{r2['steps']} steps k mean {r2['k_mean']:.1f} ({time.time() - t:.1f}s)")
+        for kind in TRACKERS:
+            choose, tracker = tracker_chooser(problem, sparse, dense, kind)
+            runs[f"{kind}[{model}]"] = r2 = descend_levels(problem, choose, pricer, model, eps, max_steps)
+            r2["path"] = [k for k, _ in tracker.segments]
+            log(f"  {problem.data.name} {model}: {kind} {r2['steps']} steps k mean {r2['k_mean']:.1f}")
+        log(f"  {problem.data.name} {model}: greedy {r['steps']} steps k mean {r['k_mean']:.1f} "
+            f"({time.time() - t:.1f}s)")
     return {"dataset": problem.data.name, "N": problem.N, "d": d, "lam": problem.lam, "eps": eps, "L": problem.L,
             "max_steps": max_steps, "runs": runs}
+
+
+CHECK = dict(dataset="a9a", lam=0.01, eps=1e-6, per_message=32)
+
+
+def held_out_check(data_dir, max_steps, log=print):
+    """A setting none of the tracker's parameters was chosen on: a9a (all samples), λ = 0.01 (10 times
+    the steps), C(k) = 39k + 32 bits (⌈log2 124⌉ + 32 bits an entry, 32 bits a message). Fixed k only from
+    d/8 up (k = 1 would need ~60,000 steps; the sweep's best k lies above d/8 everywhere)."""
+    problem = Logistic(Data(Path(data_dir) / f"{CHECK['dataset']}.xz"), CHECK["lam"])
+    d = problem.d
+    pricer = Pricer(d, {"check": A.BitCost(d, per_message=CHECK["per_message"])})
+    levels = sorted({k for k in fixed_levels(d) if k >= d / 8})
+    res = part3(problem, CHECK["eps"], max_steps, log, pricer, levels)
+    res.update(seed=None, keep=1.0, cost=pricer.costs["check"].describe())
+    return res
+
+
+def check_report(check) -> list[str]:
+    if not check:
+        return []
+    c = compare(check, "check")
+    fixed = {int(n[2:]): r for n, r in check["runs"].items() if n.startswith("k=") and r["steps"] is not None}
+    median_k = sorted(fixed)[len(fixed) // 2]
+    tr, gr = check["runs"]["tracker[check]"], check["runs"]["greedy[check]"]
+    return ["", f"### Held out: {check['dataset']}, λ = {check['lam']:g}, ε = {check['eps']:g}, {check['cost']}", "",
+            "A setting none of the tracker's parameters (segment, warm-up, grid) was chosen on: all samples, ten "
+            "times the steps of λ = 0.1, one cost model; fixed k from d/8 to d.", "",
+            "| dense GD, no indices | one-step rule | best fixed k | median fixed k (k ≥ d/8) | tracker | "
+            "tracker / best | tracker / dense | PL / best | f* / best |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+            f"| {c['dense'] / 1e6:.3f} Mbit | {c['greedy'] / 1e6:.3f} Mbit (k mean {gr['k_mean']:.0f}) | "
+            f"{c['best'] / 1e6:.3f} Mbit (k = {c['best_k']}) | {fixed[median_k]['bits']['check'] / 1e6:.3f} Mbit "
+            f"(k = {median_k}) | {c['tracker'] / 1e6:.3f} Mbit (k mean {tr['k_mean']:.0f}) | "
+            f"{c['tracker'] / c['best']:.2f}× | {c['tracker'] / c['dense']:.2f}× | "
+            + " | ".join("—" if c.get(kind) is None else f"{c[kind] / c['best']:.2f}×" for kind in ("tracker-PL", "tracker-f*"))
+            + " |"]
 
 
 def compare(result, model):
@@ -606,11 +664,13 @@ def compare(result, model):
     k = 1 % of d, the best fixed k in hindsight, the greedy rule and the tracker (None: ε not reached)."""
     runs = result["runs"]
     bits = lambda r: r["bits"][model] if r["steps"] is not None else None
-    fixed = [(bits(r), int(name[2:])) for name, r in runs.items() if name.startswith("k=") and bits(r)]
-    best = min(fixed)
-    return {"dense": bits(runs[f"k={result['d']}"]), "one_percent": bits(runs[f"k={one_percent(result['d'])}"]),
-            "best": best[0], "best_k": best[1], "greedy": bits(runs[f"greedy[{model}]"]),
-            "tracker": bits(runs[f"tracker[{model}]"])}
+    fixed = [(bits(r), -int(name[2:])) for name, r in runs.items() if name.startswith("k=") and bits(r)]
+    best = min(fixed)                          # ties (k priced as dense): the largest k
+    best = (best[0], -best[1])
+    one = runs.get(f"k={one_percent(result['d'])}")
+    return {"dense": bits(runs[f"k={result['d']}"]), "one_percent": one and bits(one),
+            "best": best[0], "best_k": best[1], "greedy": bits(runs[f"greedy[{model}]"])} \
+        | {kind: bits(runs[f"{kind}[{model}]"]) for kind in TRACKERS if f"{kind}[{model}]" in runs}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -765,7 +825,7 @@ def spread(values, fmt="{:.2f}×"):
     """'mean (min–max)' of the values, or '—' if any is missing."""
     if not values or any(v is None for v in values):
         return "—"
-    return f"{fmt.format(np.mean(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+    return f"{fmt.format(np.mean(values))} ({min(values):.2f}–{max(values):.2f})"
 
 
 BASELINE_ROWS = (("dense", "dense GD, no indices"), ("one_percent", "k = 1 % of d"), ("greedy", "one-step rule"),
@@ -779,24 +839,62 @@ def by_dataset(draws):
     return out
 
 
+def goal_text(tracker_best, tracker_dense, missing=0) -> str:
+    """The issue's goal: within 1.05× of the best fixed k in hindsight and below dense GD, in every run."""
+    if missing:
+        return f"missed ({missing} runs did not reach ε)"
+    worst_best, worst_dense = max(tracker_best), max(tracker_dense)
+    if worst_best <= 1.05 and worst_dense < 1:
+        return "met"
+    misses = []
+    if worst_best > 1.05:
+        over = sum(r > 1.05 for r in tracker_best)
+        misses.append(f"{over} of {len(tracker_best)} runs above 1.05× the best, the worst {worst_best:.3f}×")
+    if worst_dense >= 1:
+        misses.append(f"not below dense in {sum(r >= 1 for r in tracker_dense)} runs ({worst_dense:.2f}× at worst)")
+    return "missed: " + "; ".join(misses)
+
+
 def baseline_findings(draws) -> list[str]:
     """The goal (tracker within 1.05× the best fixed k in hindsight, and below dense GD without indices,
-    in every draw of every data set) per cost model, with the one-step rule beside it."""
+    in every draw of every data set) per cost model, with the one-step rule and the variants beside it."""
     out = []
     for model in COST_LABELS:
         rows = [compare(r, model) for r in draws]
-        rb = [c["tracker"] / c["best"] for c in rows if c["tracker"]]
-        rd = [c["tracker"] / c["dense"] for c in rows if c["tracker"] and c["dense"]]
-        gb = [c["greedy"] / c["best"] for c in rows if c["greedy"]]
-        missing = sum(c["tracker"] is None for c in rows)
-        met = not missing and max(rb) <= 1.05 and max(rd) < 1
-        out.append(f"- {COST_LABELS[model][0].upper() + COST_LABELS[model][1:]}: the tracker needs "
-                   f"{ratio_range(rb)} the bits of the best fixed k in hindsight and {ratio_range(rd)} those of "
-                   f"dense GD without indices ({len(rows)} runs: {len(by_dataset(draws))} data sets × draws); "
-                   f"the one-step rule {ratio_range(gb)} the best fixed k. Goal (≤ 1.05× the best, < dense, "
-                   f"everywhere): " + ("met." if met else "missed" + (
-                       f", by up to {max(max(rb) / 1.05, 1):.2f}× over the 1.05× bound"
-                       f" and {max(rd):.2f}× dense at worst." if rb else f" ({missing} runs did not reach ε).")))
+        ratio = lambda key, ref: [c[key] / c[ref] for c in rows if c.get(key) and c[ref]]
+        label = COST_LABELS[model][0].upper() + COST_LABELS[model][1:]
+        if all(c["best"] == c["dense"] for c in rows):
+            out.append(f"- {label}: sending everything uncompressed is the best fixed level in every run (a 1-value "
+                       f"block costs a 16-byte entry beside its 4 bytes); the tracker stays there "
+                       f"({ratio_range(ratio('tracker', 'best'))} of it), and so does the one-step rule. With ZeroSum, "
+                       "sparsifying a model of this size per coordinate does not pay.")
+            continue
+        out.append(f"- {label}: the tracker needs {ratio_range(ratio('tracker', 'best'))} the bits of the best fixed k "
+                   f"in hindsight and {ratio_range(ratio('tracker', 'dense'))} those of dense GD without indices "
+                   f"({len(rows)} runs: {len(by_dataset(draws))} data sets × {len(rows) // len(by_dataset(draws))} "
+                   f"draws); the one-step rule {ratio_range(ratio('greedy', 'best'))} the best, k = 1 % of d "
+                   f"{ratio_range(ratio('one_percent', 'best'))}, dense GD {ratio_range(ratio('dense', 'best'))}. "
+                   f"Goal (≤ 1.05× the best and < dense, in every run): "
+                   f"{goal_text(ratio('tracker', 'best'), ratio('tracker', 'dense'), sum(c['tracker'] is None for c in rows))}. "
+                   f"With the potential log(f − ℓ): {ratio_range(ratio('tracker-PL', 'best'))} the best; with "
+                   f"log(f − f*) (oracle): {ratio_range(ratio('tracker-f*', 'best'))}.")
+    misses: dict = {}
+    for r in draws:
+        for model in COST_LABELS:
+            c = compare(r, model)
+            if c["tracker"] and c["tracker"] / c["best"] > 1.05:
+                misses.setdefault(r["dataset"], []).append(c["tracker"] / c["best"])
+    if misses:
+        where = []
+        for name, ratios in misses.items():
+            r = next(r for r in draws if r["dataset"] == name)
+            dense_steps = r["runs"][f"k={r['d']}"]["steps"]
+            where.append(f"{name} in {len(ratios)} run{'s' if len(ratios) > 1 else ''} (up to {max(ratios):.3f}×; dense GD reaches ε in "
+                         f"{dense_steps} steps there)")
+        out.append("- Where the tracker misses 1.05×: " + ", ".join(where) + ". It starts dense and moves one level "
+                   f"(a factor 2^(1/4) in k) per two segments of {SEGMENT_DENSE_STEPS} dense steps' bits, so on runs "
+                   "of a few dozen dense steps the walk to the best k (about d/2) is a large share of the run; "
+                   "shorter segments walk faster but compare noisier scores.")
     return out
 
 
@@ -812,28 +910,34 @@ def baseline_report(draws, args) -> list[str]:
              "indices, or all d values without indices (dense; for ZeroSum, uncompressed ZeroSum with blocks of "
              "256). Baselines: dense GD (k = d, so sent without indices); k = 1 % of d, a budget chosen before "
              "training; the paper's one-step rule k* = argmax ||T_k g||²/C(k); the best fixed k in hindsight, "
-             "over k = 1, 1 % of d, the powers of two and every round(d/2^(j/8)) from d down to d/8. 'tracker': "
-             f"`LevelTracker` (zerosum.compression.adaptive) over k = d, d/2^(1/4), ... (those cheaper than "
-             f"dense), segments of the bits of {SEGMENT_DENSE_STEPS} dense steps, the first {WARMUP:.0%} of each "
-             "unscored, score = decrease of log ||g||² per bit, starting dense.", "",
+             "over k = 1, 1 % of d, the powers of two and every round(d/2^(j/8)) from d down to d/8 (on ties, "
+             "as above the sparse format's break-even, the largest k). 'tracker': `LevelTracker` "
+             "(zerosum.compression.adaptive) over k = d, d/2^(1/4), ... (those cheaper than dense), segments of "
+             f"the bits of {SEGMENT_DENSE_STEPS} dense steps, the first {WARMUP:.0%} of each unscored, score = "
+             "decrease of the potential log ||g||² per bit, starting dense. Its parameters (segment, warm-up, "
+             "grid) were chosen on a9a, mushrooms and phishing; variants tried after these runs (shorter "
+             "segments, a coarser grid, doubling the probe's stride after a move) did not bring every run "
+             "within 1.05× and were not adopted; the held-out setting below was run after. Variants (`GapLevelTracker`): the potential log(f − ℓ) with ℓ the largest lower bound "
+             "f − ||g||²/(2λ) so far ('PL'), and log(f − f*) ('f*', an oracle).", "",
              "| data set | cost | " + " | ".join(label for _, label in BASELINE_ROWS)
-             + " | best k | tracker / best | tracker / dense | rule / best |",
-             "|---|---|" + "--:|" * (len(BASELINE_ROWS) + 4)]
+             + " | best k | tracker / best | tracker / dense | rule / best | PL / best | f* / best |",
+             "|---|---|" + "--:|" * (len(BASELINE_ROWS) + 6)]
     for name, group in by_dataset(draws).items():
         for model in COST_LABELS:
             rows = [compare(r, model) for r in group]
             scale = (lambda b: b / 8e3) if model == "zerosum" else (lambda b: b / 1e3)
             cell = lambda key: "—" if any(c[key] is None for c in rows) else f"{scale(np.mean([c[key] for c in rows])):,.1f}"
-            ratio = lambda a, b: [None if c[a] is None else c[a] / c[b] for c in rows]
+            ratio = lambda a, b: [None if c.get(a) is None else c[a] / c[b] for c in rows]
             lines.append(f"| {name} (d = {group[0]['d']}) | {COST_LABELS[model]} "
                          f"({'kB' if model == 'zerosum' else 'kbit'}) | "
                          + " | ".join(cell(key) for key, _ in BASELINE_ROWS)
                          + f" | {', '.join(str(c['best_k']) for c in rows)} | {spread(ratio('tracker', 'best'))} | "
-                         f"{spread(ratio('tracker', 'dense'))} | {spread(ratio('greedy', 'best'))} |")
+                         f"{spread(ratio('tracker', 'dense'))} | {spread(ratio('greedy', 'best'))} | "
+                         f"{spread(ratio('tracker-PL', 'best'))} | {spread(ratio('tracker-f*', 'best'))} |")
     return lines
 
 
-def report(part1_results, zs, args, draws=()):
+def report(part1_results, zs, args, draws=(), check=None):
     lines = [f"## E4: adaptive sparsification in the paper's setting (plain compressed GD, step 1/L, "
              f"λ = {args.lam:g}, ε = {args.eps:g} on f − f*)", "",
              "Generated by `python experiments/adaptive_sparsification.py --data DIR` (numbers also in "
@@ -841,8 +945,18 @@ def report(part1_results, zs, args, draws=()):
              "[adaptive_sparsification.png](adaptive_sparsification.png)).", ""]
     lines += PAPER + ["", PREVIOUS, ""]
     lines += ["Findings against the baselines a user would pick (the table right below):", ""]
-    lines += baseline_findings(draws) + [""] if draws else []
-    lines += baseline_report(draws, args) + [""]
+    lines += baseline_findings(draws) if draws else []
+    if check:
+        c = compare(check, "check")
+        lines.append(f"- Held out ({check['dataset']}, λ = {check['lam']:g}, {check['cost']}; table below): the tracker "
+                     f"needs {c['tracker'] / c['best']:.2f}× the bits of the best fixed k (k = {c['best_k']}) and "
+                     f"{c['tracker'] / c['dense']:.2f}× those of dense GD without indices; the one-step rule "
+                     f"{c['greedy'] / c['best']:.2f}× and {c['greedy'] / c['dense']:.2f}×; with the potentials "
+                     f"log(f − ℓ) and log(f − f*) the tracker needs "
+                     + " and ".join("—" if c.get(kind) is None else f"{c[kind] / c['best']:.2f}×"
+                                    for kind in ("tracker-PL", "tracker-f*")) + " the best.")
+    lines += [""]
+    lines += baseline_report(draws, args) + check_report(check) + [""]
     lines += ["Findings of the sweep (the tables below):", ""] + conclusions(part1_results, zs) + [""]
     lines += ["### Adaptive k against the fixed-k sweep", "",
               "One node, true gradient, no error feedback, x⁺ = x − (1/L)·T_k(∇f(x)), T_k per coordinate. "
@@ -995,6 +1109,7 @@ def main():
                    help="data sets for the rules against the baselines (part 3; '' to skip)")
     p.add_argument("--seeds", default="0,1,2", help="draws of the data for part 3")
     p.add_argument("--keep", type=float, default=0.9, help="share of the samples in each draw (part 3)")
+    p.add_argument("--check", action="store_true", help="the held-out setting (a9a, λ = 0.01, 39k + 32 bits)")
     p.add_argument("--out", default="docs")
     p.add_argument("--fresh", action="store_true",
                    help="start a new JSON instead of adding to (and replacing runs in) the existing one")
@@ -1037,15 +1152,18 @@ def main():
             draws = [r for r in draws if (r["dataset"], r["seed"]) != (name, seed)] + [res]
             print(f"  {name} seed {seed} ({time.time() - t:.0f}s)", flush=True)
             path.write_text(to_json({"part1": results, "zerosum": zs, "baselines": draws}) + "\n")
+    check = store.get("check")
+    if args.check:
+        check = held_out_check(args.data, args.max_steps, log=lambda s: print(s, flush=True))
     draws.sort(key=lambda r: (r["d"], r["seed"]))
     results.sort(key=lambda r: (r["problem"] != "logistic", r["d"]))
     for res in results + ([zs] if zs else []):
         res["runs"] = {name: slim(name, r) for name, r in res["runs"].items()}
-    for res in draws:
+    for res in draws + ([check] if check else []):
         res["runs"] = {name: slim(name, r) for name, r in res["runs"].items()}
-    path.write_text(to_json({"part1": results, "zerosum": zs, "baselines": draws}) + "\n")
+    path.write_text(to_json({"part1": results, "zerosum": zs, "baselines": draws, "check": check}) + "\n")
     figure(results, zs, out / "adaptive_sparsification.png")
-    lines = report(results, zs, args, draws)
+    lines = report(results, zs, args, draws, check)
     update_sections(out / "compression.md", lines)
     print("\n".join(lines))
 
