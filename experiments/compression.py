@@ -238,8 +238,9 @@ def main():
     print("\n".join(lines))
 
 
-E1_TARGETS = (1e-3, 1e-4, 1e-5)
+TARGETS = (1e-3, 1e-4, 1e-5)
 E1_SEEDS = (1, 2, 3)
+E3_SEEDS = (2, 3, 4)
 E2_SEEDS = (5, 6, 7)
 
 
@@ -287,55 +288,70 @@ def e1(prob, n, omega, tau, m, gamma, L, B, args, plt, lines):
     fig.tight_layout(); fig.savefig(Path(args.out) / "compression_e1.png", dpi=110); plt.close(fig)
 
 
-def e1_bits_to_target(trajectories, d, values_sent, steps):
-    """Bits per worker to reach each target, against dense GD sent as plain floats without indices."""
-    dense_gaps, dense_zs = trajectories["dense GD", E1_SEEDS[0]]
-    per_dense = dense_step_bits(d)
-    plain = {eps: first_below(dense_gaps, eps) * per_dense["plain floats"] for eps in E1_TARGETS}
+def bits_to_target(trajectories, rows, dense_key, d, steps, seeds_text):
+    """Bits per worker to reach each of TARGETS, as a multiple of dense GD's bits sent as plain float32
+    values without indices. trajectories[(method, seed)] = (gaps, cumulative bits as run); rows:
+    (method, how the bits are counted, price(bits as run, steps to ε) → bits, seeds)."""
+    dense_gaps, _ = trajectories[dense_key]
+    plain = {eps: first_below(dense_gaps, eps) * dense_step_bits(d)["plain floats"] for eps in TARGETS}
 
     def cell(values):
-        values = [v for v in values]
         if any(v is None for v in values):
             return "—"
         mean = np.mean(values)
         return f"{mean:.2f}×" if len(values) == 1 or max(values) - min(values) < 0.005 else \
             f"{mean:.2f}× ({min(values):.2f}–{max(values):.2f})"
 
-    rows = [("dense GD", "plain float32, no indices", lambda gaps, bits, s: s * per_dense["plain floats"]),
-            ("dense GD", "uncompressed ZeroSum (256-value blocks)",
-             lambda gaps, bits, s: s * per_dense["uncompressed ZeroSum"]),
-            ("dense GD", "ZeroSum, 8-value blocks (as run)", lambda gaps, bits, s: bits[s - 1])]
-    for name in ("random-k, no shifts", "DIANA (random-k)"):
-        rows += [(name, "ZeroSum, 8-value blocks (as run)", lambda gaps, bits, s: bits[s - 1]),
-                 (name, f"values only ({values_sent} float32, shared seed: no indices)",
-                  lambda gaps, bits, s: s * 32 * values_sent)]
     out = ["", f"Bits per worker to reach f − f* ≤ ε, as a multiple of dense GD's bits sent as plain float32 "
-           f"values without indices ({', '.join(f'ε = {eps:g}: {plain[eps] / 1e3:,.0f} kbit' for eps in E1_TARGETS)}); "
-           f"random-k and DIANA over the seeds {', '.join(map(str, E1_SEEDS))} of the random blocks: mean "
-           f"(min–max); steps to ε in brackets (the mean); '—': not within {steps} steps.", "",
-           "| method | bits counted | " + " | ".join(f"ε = {eps:g}" for eps in E1_TARGETS) + " |",
-           "|---|---|" + "--:|" * len(E1_TARGETS)]
-    for name, how, price in rows:
-        seeds = [E1_SEEDS[0]] if name == "dense GD" else E1_SEEDS
+           f"values without indices ({', '.join(f'ε = {eps:g}: {plain[eps] / 1e3:,.0f} kbit' for eps in TARGETS)}); "
+           f"{seeds_text}: mean (min–max); steps to ε in brackets (the mean); '—': not within {steps} steps.", "",
+           "| method | bits counted | " + " | ".join(f"ε = {eps:g}" for eps in TARGETS) + " |",
+           "|---|---|" + "--:|" * len(TARGETS)]
+    for name, how, price, seeds in rows:
         cells = []
-        for eps in E1_TARGETS:
+        for eps in TARGETS:
             ratios, counts = [], []
             for seed in seeds:
                 gaps, bits = trajectories[name, seed]
                 s = first_below(gaps, eps)
                 counts.append(s)
-                ratios.append(None if s is None else price(gaps, bits, s) / plain[eps])
+                ratios.append(None if s is None else price(bits, s) / plain[eps])
             steps_text = "" if None in counts else f" [{np.mean(counts):.0f}]"
             cells.append(cell(ratios) + steps_text)
         out.append(f"| {name} | {how} | " + " | ".join(cells) + " |")
-    return out + ["", e1_reading(trajectories, values_sent, per_dense["plain floats"])]
+    return out
+
+
+def dense_rows(d, seed):
+    """dense GD's rows: plain floats, uncompressed ZeroSum, and ZeroSum packets as run."""
+    per_dense = dense_step_bits(d)
+    return [("dense GD", "plain float32, no indices", lambda bits, s: s * per_dense["plain floats"], [seed]),
+            ("dense GD", "uncompressed ZeroSum (256-value blocks)",
+             lambda bits, s: s * per_dense["uncompressed ZeroSum"], [seed]),
+            ("dense GD", "ZeroSum, 8-value blocks (as run)", lambda bits, s: bits[s - 1], [seed])]
+
+
+def as_run(bits, s):
+    return bits[s - 1]
+
+
+def e1_bits_to_target(trajectories, d, values_sent, steps):
+    """E1's bits to target: dense GD, and random-k and DIANA as run and counting values only."""
+    rows = dense_rows(d, E1_SEEDS[0])
+    for name in ("random-k, no shifts", "DIANA (random-k)"):
+        rows += [(name, "ZeroSum, 8-value blocks (as run)", as_run, E1_SEEDS),
+                 (name, f"values only ({values_sent} float32, shared seed: no indices)",
+                  lambda bits, s: s * 32 * values_sent, E1_SEEDS)]
+    out = bits_to_target(trajectories, rows, ("dense GD", E1_SEEDS[0]), d, steps,
+                         f"random-k and DIANA over the seeds {', '.join(map(str, E1_SEEDS))} of the random blocks")
+    return out + ["", e1_reading(trajectories, values_sent, dense_step_bits(d)["plain floats"])]
 
 
 def e1_reading(trajectories, values_sent, plain_step):
     """DIANA's bits against dense GD's, each counted the same way, over the seeds and targets."""
     dense_gaps, dense_bits = trajectories["dense GD", E1_SEEDS[0]]
     zs, values, steps = [], [], []
-    for eps in E1_TARGETS:
+    for eps in TARGETS:
         d = first_below(dense_gaps, eps)
         for seed in E1_SEEDS:
             gaps, bits = trajectories["DIANA (random-k)", seed]
@@ -358,20 +374,37 @@ def e3(prob, n, omega, m, gamma, L, B, args, plt, lines):
     """Top-k with and without error feedback vs random-k vs dense."""
     k_density = 2 / m
     runs = {
-        "dense GD": [C.NoCompression() for _ in range(n)],
-        "top-k blocks + EF": [C.TopKBlocks(k_density, True, block_size=B) for _ in range(n)],
-        "top-k blocks, no EF": [C.TopKBlocks(k_density, False, block_size=B) for _ in range(n)],
-        "random-k blocks": [C.RandomKBlocks(n, tau=2, seed=2, rank=r, block_size=B) for r in range(n)],
+        "dense GD": lambda seed: [C.NoCompression() for _ in range(n)],
+        "top-k blocks + EF": lambda seed: [C.TopKBlocks(k_density, True, block_size=B) for _ in range(n)],
+        "top-k blocks, no EF": lambda seed: [C.TopKBlocks(k_density, False, block_size=B) for _ in range(n)],
+        "random-k blocks": lambda seed: [C.RandomKBlocks(n, tau=2, seed=seed, rank=r, block_size=B) for r in range(n)],
     }
     fig, ax = plt.subplots(figsize=(6, 4))
     lines += ["", "## E3: top-k with and without error feedback vs random-k vs dense", "",
               f"2 of {m} blocks per worker per step; step 1/L for dense and top-k, 1/(L(1+2ω/n)) for random-k.",
               "", "| method | f − f* after all steps | kbit sent per worker |", "|---|--:|--:|"]
-    for name, comps in runs.items():
-        g = gamma if name.startswith("random") else 1 / L
-        gaps, bits = run(prob, comps, args.steps, g, B)
-        ax.semilogy(gaps, label=name)
-        lines.append(f"| {name} | {gaps[-1]:.2e} | {bits[-1] / 1e3:.0f} |")
+    trajectories = {}
+    for name, make in runs.items():
+        seeds = E3_SEEDS if name.startswith("random") else E3_SEEDS[:1]       # the others are deterministic
+        for seed in seeds:
+            g = gamma if name.startswith("random") else 1 / L
+            gaps, bits = run(prob, make(seed), args.steps, g, B)
+            trajectories[name, seed] = gaps, bits
+            if seed == E3_SEEDS[0]:
+                ax.semilogy(gaps, label=name)
+                lines.append(f"| {name} | {gaps[-1]:.2e} | {bits[-1] / 1e3:.0f} |")
+    d = prob.X.shape[1]
+    index_bits = (m - 1).bit_length()
+    rows = dense_rows(d, E3_SEEDS[0])
+    for name in ("top-k blocks + EF", "top-k blocks, no EF"):
+        rows += [(name, "ZeroSum, 8-value blocks (as run)", as_run, E3_SEEDS[:1]),
+                 (name, f"values and block indices (2 × ({B} float32 + {index_bits} bits))",
+                  lambda bits, s: s * 2 * (32 * B + index_bits), E3_SEEDS[:1])]
+    rows += [("random-k blocks", "ZeroSum, 8-value blocks (as run)", as_run, E3_SEEDS),
+             ("random-k blocks", f"values only ({2 * B} float32, shared seed: no indices)",
+              lambda bits, s: s * 32 * 2 * B, E3_SEEDS)]
+    lines += bits_to_target(trajectories, rows, ("dense GD", E3_SEEDS[0]), d, args.steps,
+                            f"random-k over the seeds {', '.join(map(str, E3_SEEDS))} of the random blocks")
     ax.set_xlabel("iteration"); ax.set_ylabel("f(x) − f*"); ax.legend()
     ax.set_title(f"E3: sparsifiers, {args.dataset}, {n} workers")
     fig.tight_layout(); fig.savefig(Path(args.out) / "compression_e3.png", dpi=110); plt.close(fig)
