@@ -27,6 +27,12 @@ after the allreduce) or on the previous step's aggregate (what every worker has;
 bytes are worker 0's in ZeroSum packets (`wire_bytes` with every worker's blocks), and the rule optimises
 exactly those (`zerosum_prefix_bytes`). For reference, the previous E4 design: per-worker top-k blocks
 inside error feedback (TopKBlocks, AdaptiveTopKBlocks).
+
+Part 3 (against the baselines a user would pick; `--baselines`, about 15 minutes): logistic regression on
+each data set in 3 draws of 90 % of its samples, every step sent in the cheaper of two formats (k entries
+with indices, or all d values without them). Rows: dense GD without indices, k = 1 % of d (a budget
+chosen before training), the one-step rule, the best fixed k in hindsight (a fine sweep near d), and
+`LevelTracker`, which tracks the best level online by the measured decrease of log ||g||² per bit.
 """
 from __future__ import annotations
 
@@ -54,11 +60,19 @@ def load_libsvm(path: Path):
 
 
 class Data:
-    """The samples with a bias feature (value 1) appended, as COO sorted by row, plus column access."""
+    """The samples with a bias feature (value 1) appended, as COO sorted by row, plus column access.
+    With `keep` < 1, a random share of the samples (without replacement, drawn with `seed`): one draw of
+    the data set, for spread over seeds where the method itself is deterministic."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep: float = 1.0, seed: int = 0):
         r, c, v, self.y, d0 = load_libsvm(path)
         self.name = path.name.removesuffix(".xz")
+        if keep < 1:
+            rows = np.sort(np.random.default_rng(seed).choice(len(self.y), int(keep * len(self.y)), replace=False))
+            renumber = np.full(len(self.y), -1)
+            renumber[rows] = np.arange(len(rows))
+            inside = renumber[r] >= 0
+            r, c, v, self.y = renumber[r[inside]], c[inside], v[inside], self.y[rows]
         self.N, self.d = len(self.y), d0 + 1
         r = np.r_[r, np.arange(self.N)]
         c = np.r_[c, np.full(self.N, d0)]
@@ -474,6 +488,194 @@ def error_feedback(problem, workers, B, m, eps, max_steps, grid, log):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Part 3: the rules against the baselines a user would pick, over draws of the data
+
+SEGMENT_DENSE_STEPS = 2     # a LevelTracker segment: the bits of this many dense steps
+WARMUP = 0.5                # the share of a segment not scored (the switch's transient)
+
+
+def level_models(d: int) -> dict[str, tuple]:
+    """Per cost model, (sparse cost: bits of k entries as a function of an array of k, dense cost: bits of a
+    step that sends all d values without indices). The bit models are `bit_costs` (dense: `encode_dense`);
+    for ZeroSum, sparse is one worker's 1-value blocks and dense is uncompressed ZeroSum (blocks of 256)."""
+    models = {name: (cost, cost.dense_bits) for name, cost in bit_costs(d).items()}
+    models["zerosum"] = (zerosum_single_cost(d), 8 * C.wire_bytes(np.ones(d, np.float32), 256, columns=2048))
+    return models
+
+
+def fixed_levels(d: int) -> list[int]:
+    """The fixed k of the sweep: 1, k = 1 % of d, the powers of two, and every round(d / 2^(j/8)) down
+    to d/8 (the best fixed k lies there in every run of the sweep above), and d."""
+    return sorted({1, one_percent(d)} | {2 ** i for i in range(20) if 2 ** i < d}
+                  | {int(round(d / 2 ** (j / 8))) for j in range(25)})
+
+
+def one_percent(d: int) -> int:
+    """k chosen before training by a budget: 1 % of the coordinates (at least one)."""
+    return max(1, round(d / 100))
+
+
+class Pricer:
+    """Bits of one step under every model, each step sent in the cheaper of two formats: k entries with
+    indices (`encode_sparse`; ZeroSum: `wire_bytes` of 1-value blocks) or all d values without indices
+    (`encode_dense`; ZeroSum: uncompressed, blocks of 256). The bits are those the encoders emit, measured
+    once per (k, non-zero values) and checked against the models' formulas."""
+
+    def __init__(self, d: int, costs: dict[str, A.BitCost] | None = None):
+        """`costs`: the bit models (default `bit_costs`, and ZeroSum beside them; given: those alone)."""
+        self.d = d
+        self.costs = bit_costs(d) if costs is None else costs
+        self.models = level_models(d) if costs is None else {name: (c, c.dense_bits) for name, c in costs.items()}
+        dense = np.ones(d, np.float32)
+        self.dense = {name: A.emitted_bits(A.encode_dense(dense, cost)) for name, cost in self.costs.items()}
+        if "zerosum" in self.models:
+            self.dense["zerosum"] = self.models["zerosum"][1]
+        for name, cost in self.costs.items():
+            assert self.dense[name] == cost.dense_bits, name
+        self.memo: dict = {}
+
+    def __call__(self, idx: np.ndarray, vals: np.ndarray) -> dict[str, int]:
+        key = (len(idx), int(np.count_nonzero(vals)))
+        if key not in self.memo:
+            sparse = {name: A.emitted_bits(A.encode_sparse(idx, vals, cost)) for name, cost in self.costs.items()}
+            if "zerosum" in self.models:
+                sparse["zerosum"] = 8 * zerosum_single_bytes(self.d, idx, vals)
+            for name, cost in self.costs.items():
+                assert sparse[name] == cost(np.array([len(idx)]))[0], name
+            self.memo[key] = {name: min(bits, self.dense[name]) for name, bits in sparse.items()}
+        return self.memo[key]
+
+
+def descend_levels(problem, choose, pricer: Pricer, own: str | None, eps, max_steps):
+    """Compressed GD with step 1/L until f − f* ≤ ε, k from choose(g, bits sent so far in the `own` model).
+    Bits are counted under every model (`Pricer`)."""
+    problem.reset()
+    totals = dict.fromkeys(pricer.models, 0)
+    ks, steps = [], None
+    for step in range(max_steps + 1):
+        gap = problem.gap()
+        if gap <= eps:
+            steps = step
+            break
+        if step == max_steps:
+            break
+        g = problem.grad()
+        k = choose(g, totals[own] if own else 0)
+        idx = A.magnitude_order(g)[:k]
+        vals = g[idx].astype(np.float32)
+        for name, bits in pricer(idx, vals).items():
+            totals[name] += bits
+        ks.append(k)
+        problem.move(idx, -vals.astype(np.float64) / problem.L)
+    ks = np.array(ks or [0])
+    return {"steps": steps, "final_gap": gap, "bits": totals, "k_min": int(ks.min()), "k_max": int(ks.max()),
+            "k_mean": float(ks.mean())}
+
+
+def greedy_chooser(sparse, dense):
+    """The paper's one-step rule, k* = argmax ||T_k(g)||² / C(k), with C(k) the cheaper format's bits."""
+    return lambda g, bits: A.choose_k(g, lambda k: np.minimum(sparse(k), dense))[0]
+
+
+TRACKERS = {"tracker": "log ||g||²", "tracker-PL": "log(f − ℓ), ℓ = max f − ||g||²/(2λ)",
+            "tracker-f*": "log(f − f*), an oracle"}
+
+
+def tracker_chooser(problem, sparse, dense, kind="tracker"):
+    """A tracker over `level_grid`, segments of SEGMENT_DENSE_STEPS dense steps' bits, the first WARMUP
+    of each unscored. 'tracker': `LevelTracker`, potential log ||g||²; 'tracker-PL': `GapLevelTracker`
+    with the lower bound f − ||g||²/(2λ) (f is λ-strongly convex); 'tracker-f*': the same with f* itself."""
+    levels = A.level_grid(problem.d, sparse, dense)
+    if kind == "tracker":
+        tracker = A.LevelTracker(levels, SEGMENT_DENSE_STEPS * dense, warmup=WARMUP)
+        return (lambda g, bits: tracker.choose(float(np.log(g @ g)), bits)), tracker
+    tracker = A.GapLevelTracker(levels, SEGMENT_DENSE_STEPS * dense, warmup=WARMUP)
+
+    def choose(g, bits):
+        f = problem.value()
+        lower = problem.f_star if kind == "tracker-f*" else f - float(g @ g) / (2 * problem.lam)
+        return tracker.choose_gap(f, lower, bits)
+    return choose, tracker
+
+
+def part3(problem, eps, max_steps, log=print, pricer: Pricer | None = None, levels=None):
+    """Fixed k (`fixed_levels`, or `levels`), the one-step rule and the tracker under every model of
+    `pricer` (default: `Pricer(d)`)."""
+    d = problem.d
+    pricer = pricer or Pricer(d)
+    runs = {}
+    for k in levels or fixed_levels(d):
+        t = time.time()
+        runs[f"k={k}"] = r = descend_levels(problem, lambda g, bits: k, pricer, None, eps, max_steps)
+        log(f"  {problem.data.name} fixed k={k}: {r['steps']} steps ({time.time() - t:.1f}s)")
+    for model, (sparse, dense) in pricer.models.items():
+        t = time.time()
+        runs[f"greedy[{model}]"] = r = descend_levels(problem, greedy_chooser(sparse, dense), pricer, model,
+                                                      eps, max_steps)
+        for kind in TRACKERS:
+            choose, tracker = tracker_chooser(problem, sparse, dense, kind)
+            runs[f"{kind}[{model}]"] = r2 = descend_levels(problem, choose, pricer, model, eps, max_steps)
+            r2["path"] = [k for k, _ in tracker.segments]
+            log(f"  {problem.data.name} {model}: {kind} {r2['steps']} steps k mean {r2['k_mean']:.1f}")
+        log(f"  {problem.data.name} {model}: greedy {r['steps']} steps k mean {r['k_mean']:.1f} "
+            f"({time.time() - t:.1f}s)")
+    return {"dataset": problem.data.name, "N": problem.N, "d": d, "lam": problem.lam, "eps": eps, "L": problem.L,
+            "max_steps": max_steps, "runs": runs}
+
+
+CHECK = dict(dataset="a9a", lam=0.01, eps=1e-6, per_message=32)
+
+
+def held_out_check(data_dir, max_steps, log=print):
+    """A setting none of the tracker's parameters was chosen on: a9a (all samples), λ = 0.01 (10 times
+    the steps), C(k) = 39k + 32 bits (⌈log2 124⌉ + 32 bits an entry, 32 bits a message). Fixed k only from
+    d/8 up (k = 1 would need ~60,000 steps; the sweep's best k lies above d/8 everywhere)."""
+    problem = Logistic(Data(Path(data_dir) / f"{CHECK['dataset']}.xz"), CHECK["lam"])
+    d = problem.d
+    pricer = Pricer(d, {"check": A.BitCost(d, per_message=CHECK["per_message"])})
+    levels = sorted({k for k in fixed_levels(d) if k >= d / 8})
+    res = part3(problem, CHECK["eps"], max_steps, log, pricer, levels)
+    res.update(seed=None, keep=1.0, cost=pricer.costs["check"].describe())
+    return res
+
+
+def check_report(check) -> list[str]:
+    if not check:
+        return []
+    c = compare(check, "check")
+    fixed = {int(n[2:]): r for n, r in check["runs"].items() if n.startswith("k=") and r["steps"] is not None}
+    median_k = sorted(fixed)[len(fixed) // 2]
+    tr, gr = check["runs"]["tracker[check]"], check["runs"]["greedy[check]"]
+    return ["", f"### Held out: {check['dataset']}, λ = {check['lam']:g}, ε = {check['eps']:g}, {check['cost']}", "",
+            "A setting none of the tracker's parameters (segment, warm-up, grid) was chosen on: all samples, ten "
+            "times the steps of λ = 0.1, one cost model; fixed k from d/8 to d.", "",
+            "| dense GD, no indices | one-step rule | best fixed k | k = d/2 | median fixed k (k ≥ d/8) | tracker | "
+            "tracker / best | tracker / dense | PL / best | f* / best |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+            f"| {c['dense'] / 1e6:.3f} Mbit | {c['greedy'] / 1e6:.3f} Mbit (k mean {gr['k_mean']:.0f}) | "
+            f"{c['best'] / 1e6:.3f} Mbit (k = {c['best_k']}) | {c['half'] / 1e6:.3f} Mbit | "
+            f"{fixed[median_k]['bits']['check'] / 1e6:.3f} Mbit "
+            f"(k = {median_k}) | {c['tracker'] / 1e6:.3f} Mbit (k mean {tr['k_mean']:.0f}) | "
+            f"{c['tracker'] / c['best']:.2f}× | {c['tracker'] / c['dense']:.2f}× | "
+            + " | ".join("—" if c.get(kind) is None else f"{c[kind] / c['best']:.2f}×" for kind in ("tracker-PL", "tracker-f*"))
+            + " |"]
+
+
+def compare(result, model):
+    """The rules and baselines of one draw in one model's bits: dense (k = d, sent without indices),
+    k = 1 % of d, the best fixed k in hindsight, the greedy rule and the tracker (None: ε not reached)."""
+    runs = result["runs"]
+    bits = lambda r: r["bits"][model] if r["steps"] is not None else None
+    fixed = [(bits(r), -int(name[2:])) for name, r in runs.items() if name.startswith("k=") and bits(r)]
+    best = min(fixed)                          # ties (k priced as dense): the largest k
+    best = (best[0], -best[1])
+    one = runs.get(f"k={one_percent(result['d'])}")
+    return {"dense": bits(runs[f"k={result['d']}"]), "one_percent": one and bits(one),
+            "half": bits(runs[f"k={round(result['d'] / 2)}"]),
+            "best": best[0], "best_k": best[1], "greedy": bits(runs[f"greedy[{model}]"])} \
+        | {kind: bits(runs[f"{kind}[{model}]"]) for kind in TRACKERS if f"{kind}[{model}]" in runs}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Report
 
 def fmt_k(r):
@@ -584,15 +786,15 @@ def conclusions(part1_results, zs):
         rel = lambda m, key: [s["bound"]["bits"] / (s[key][1] if key != "median" else s[key])
                               for s in per[m] if s and s["bound"]["bits"] is not None]
         msg = ("udp", "802.15.4")
-        final = ("- Conclusion. In the paper's setting, with the rule optimising exactly the cost that is counted, "
-                   "adaptive k does what the abstract claims against a compression level chosen before training "
-                   "without knowing the problem: with a cost per message it needs "
-                   f"{ratio_range(sum((rel(m, 'median') for m in msg), []))} the bits of the median fixed k and "
-                   f"{ratio_range(sum((rel(m, 'worst') for m in msg), []))} those of the worst, in ZeroSum bytes "
-                   f"{ratio_range(rel('zerosum', 'median'))} the median, and it needs no tuning; with the payload-only "
-                   "cost it is simply k = 1. It does not beat the best fixed k chosen after the fact "
-                   f"({ratio_range(sum((rel(m, 'best') for m in COST_LABELS), []))}), and none of the variants tried "
-                   "(curvature-aware bound, log-gap with f*, 30-step rollout) did either.")
+        final = ("- The sweep's one-step rule against its baselines: with a cost per message it needs "
+                 f"{ratio_range(sum((rel(m, 'best') for m in msg), []))} the bits of the best fixed k in hindsight, "
+                 f"{ratio_range(sum((rel(m, 'median') for m in msg), []))} those of the median of the powers-of-two "
+                 f"sweep and {ratio_range(sum((rel(m, 'worst') for m in msg), []))} those of its worst (k = 1); "
+                 f"in ZeroSum bytes {ratio_range(rel('zerosum', 'best'))} the best and "
+                 f"{ratio_range(rel('zerosum', 'median'))} the median; with the payload-only cost it is k = 1. "
+                 "The median and the worst of a sweep are no level a user would choose: against dense GD "
+                 "without indices and the best fixed k, see the first table of this section, where the "
+                 "tracker replaces it.")
     else:
         final = None
     if zs:
@@ -621,14 +823,160 @@ def conclusions(part1_results, zs):
     return out
 
 
-def report(part1_results, zs, args):
+def spread(values, fmt="{:.2f}×"):
+    """'mean (min–max)' of the values, or '—' if any is missing."""
+    if not values or any(v is None for v in values):
+        return "—"
+    return f"{fmt.format(np.mean(values))} ({min(values):.2f}–{max(values):.2f})"
+
+
+BASELINE_ROWS = (("dense", "dense GD, no indices"), ("one_percent", "k = 1 % of d"), ("half", "k = d/2"),
+                 ("greedy", "one-step rule"),
+                 ("best", "best fixed k"), ("tracker", "tracker"))
+
+
+def by_dataset(draws):
+    out: dict = {}
+    for r in draws:
+        out.setdefault(r["dataset"], []).append(r)
+    return out
+
+
+def goal_text(tracker_best, tracker_dense, missing=0) -> str:
+    """The issue's goal: within 1.05× of the best fixed k in hindsight and below dense GD, in every run."""
+    if missing:
+        return f"missed ({missing} runs did not reach ε)"
+    worst_best, worst_dense = max(tracker_best), max(tracker_dense)
+    if worst_best <= 1.05 and worst_dense < 1:
+        return "met"
+    misses = []
+    if worst_best > 1.05:
+        over = sum(r > 1.05 for r in tracker_best)
+        misses.append(f"{over} of {len(tracker_best)} runs above 1.05× the best, the worst {worst_best:.3f}×")
+    if worst_dense >= 1:
+        misses.append(f"not below dense in {sum(r >= 1 for r in tracker_dense)} runs ({worst_dense:.2f}× at worst)")
+    return "missed: " + "; ".join(misses)
+
+
+def baseline_findings(draws) -> list[str]:
+    """The goal (tracker within 1.05× the best fixed k in hindsight, and below dense GD without indices,
+    in every draw of every data set) per cost model, with the one-step rule and the variants beside it."""
+    out = []
+    for model in COST_LABELS:
+        rows = [compare(r, model) for r in draws]
+        ratio = lambda key, ref: [c[key] / c[ref] for c in rows if c.get(key) and c[ref]]
+        label = COST_LABELS[model][0].upper() + COST_LABELS[model][1:]
+        if all(c["best"] == c["dense"] for c in rows):
+            out.append(f"- {label}: sending everything uncompressed is the best fixed level in every run (a 1-value "
+                       f"block costs a 16-byte entry beside its 4 bytes); the tracker stays there "
+                       f"({ratio_range(ratio('tracker', 'best'))} of it), and so does the one-step rule. With ZeroSum, "
+                       "sparsifying a model of this size per coordinate does not pay.")
+            continue
+        out.append(f"- {label}: the tracker needs {ratio_range(ratio('tracker', 'best'))} the bits of the best fixed k "
+                   f"in hindsight and {ratio_range(ratio('tracker', 'dense'))} those of dense GD without indices "
+                   f"({len(rows)} runs: {len(by_dataset(draws))} data sets × {len(rows) // len(by_dataset(draws))} "
+                   f"draws); the one-step rule {ratio_range(ratio('greedy', 'best'))} the best, k = 1 % of d "
+                   f"{ratio_range(ratio('one_percent', 'best'))}, dense GD {ratio_range(ratio('dense', 'best'))}, "
+                   f"k = d/2 {ratio_range(ratio('half', 'best'))} the best and "
+                   f"{ratio_range(ratio('half', 'dense'))} dense GD. "
+                   f"Goal (≤ 1.05× the best and < dense, in every run): "
+                   f"{goal_text(ratio('tracker', 'best'), ratio('tracker', 'dense'), sum(c['tracker'] is None for c in rows))}. "
+                   f"With the potential log(f − ℓ): {ratio_range(ratio('tracker-PL', 'best'))} the best; with "
+                   f"log(f − f*) (oracle): {ratio_range(ratio('tracker-f*', 'best'))}.")
+    misses: dict = {}
+    for r in draws:
+        for model in COST_LABELS:
+            c = compare(r, model)
+            if c["tracker"] and c["tracker"] / c["best"] > 1.05:
+                misses.setdefault(r["dataset"], []).append(c["tracker"] / c["best"])
+    if misses:
+        where = []
+        for name, ratios in misses.items():
+            r = next(r for r in draws if r["dataset"] == name)
+            dense_steps = r["runs"][f"k={r['d']}"]["steps"]
+            runs_text = f"{len(ratios)} run" + ("s" if len(ratios) > 1 else "")
+            where.append(f"{name} in {runs_text} (up to {max(ratios):.3f}×; dense GD reaches ε in "
+                         f"{dense_steps} steps there)")
+    pairs = [(compare(r, m)["tracker"], compare(r, m)["half"], compare(r, m)["dense"]) for r in draws
+             for m in ("payload", "udp", "802.15.4")]
+    pairs = [(t, h, d) for t, h, d in pairs if t and h]
+    if pairs:
+        out.append(f"- Against fixed k = d/2: the tracker needs less in {sum(t < h for t, h, _ in pairs)} of "
+                   f"{len(pairs)} bit-cost runs ({ratio_range([t / h for t, h, _ in pairs])} of its bits); k = d/2 "
+                   f"stays below dense GD in {sum(h < d for _, h, d in pairs)} of them, the tracker in "
+                   f"{sum(t < d for t, _, d in pairs)}. A fraction of d fixed before training does about as well "
+                   "here, because the best k lies at 0.4–0.7·d on every data set of this section; the tracker finds "
+                   "that level without being told, and sent less than dense GD in every run.")
+    if misses:
+        out.append("- Where the tracker misses 1.05×: " + ", ".join(where) + ". It starts dense and moves one level "
+                   f"(a factor 2^(1/4) in k) per two segments of {SEGMENT_DENSE_STEPS} dense steps' bits, so on runs "
+                   "of a few dozen dense steps the walk to the best k (about d/2) is a large share of the run; "
+                   "shorter segments walk faster but compare noisier scores.")
+    return out
+
+
+def baseline_report(draws, args) -> list[str]:
+    if not draws:
+        return []
+    keep, seeds = draws[0]["keep"], sorted({r["seed"] for r in draws})
+    lines = ["### Against the baselines a user would pick", "",
+             f"Logistic regression, λ = {draws[0]['lam']:g}, bits to f − f* ≤ {draws[0]['eps']:g}; each data set "
+             f"in {len(seeds)} draws of {keep:.0%} of its samples (seeds {', '.join(map(str, seeds))}), the "
+             "method itself being deterministic: each cell is the mean over the draws, ratios are mean "
+             "(min–max) over the draws. Every step is sent in the cheaper of two formats: k entries with "
+             "indices, or all d values without indices (dense; for ZeroSum, uncompressed ZeroSum with blocks of "
+             "256). Baselines: dense GD (k = d, so sent without indices); k = 1 % of d, a budget chosen before "
+             "training; k = d/2 (rounded), a fraction chosen before training but after seeing the sweep above, "
+             "whose best k lies near it; the paper's one-step rule k* = argmax ||T_k g||²/C(k); the best fixed k in hindsight, "
+             "over k = 1, 1 % of d, the powers of two and every round(d/2^(j/8)) from d down to d/8 (on ties, "
+             "as above the sparse format's break-even, the largest k). 'tracker': `LevelTracker` "
+             "(zerosum.compression.adaptive) over k = d, d/2^(1/4), ... (those cheaper than dense), segments of "
+             f"the bits of {SEGMENT_DENSE_STEPS} dense steps, the first {WARMUP:.0%} of each unscored, score = "
+             "decrease of the potential log ||g||² per bit, starting dense. Its parameters (segment, warm-up, "
+             "grid) were chosen on a9a, mushrooms and phishing; variants tried after these runs (shorter "
+             "segments, a coarser grid, doubling the probe's stride after a move) did not bring every run "
+             "within 1.05× and were not adopted; the held-out setting below was run after. Variants (`GapLevelTracker`): the potential log(f − ℓ) with ℓ the largest lower bound "
+             "f − ||g||²/(2λ) so far ('PL'), and log(f − f*) ('f*', an oracle).", "",
+             "| data set | cost | " + " | ".join(label for _, label in BASELINE_ROWS)
+             + " | best k | tracker / best | tracker / dense | rule / best | PL / best | f* / best |",
+             "|---|---|" + "--:|" * (len(BASELINE_ROWS) + 6)]
+    for name, group in by_dataset(draws).items():
+        for model in COST_LABELS:
+            rows = [compare(r, model) for r in group]
+            scale = (lambda b: b / 8e3) if model == "zerosum" else (lambda b: b / 1e3)
+            cell = lambda key: "—" if any(c[key] is None for c in rows) else f"{scale(np.mean([c[key] for c in rows])):,.1f}"
+            ratio = lambda a, b: [None if c.get(a) is None else c[a] / c[b] for c in rows]
+            lines.append(f"| {name} (d = {group[0]['d']}) | {COST_LABELS[model]} "
+                         f"({'kB' if model == 'zerosum' else 'kbit'}) | "
+                         + " | ".join(cell(key) for key, _ in BASELINE_ROWS)
+                         + f" | {', '.join(str(c['best_k']) for c in rows)} | {spread(ratio('tracker', 'best'))} | "
+                         f"{spread(ratio('tracker', 'dense'))} | {spread(ratio('greedy', 'best'))} | "
+                         f"{spread(ratio('tracker-PL', 'best'))} | {spread(ratio('tracker-f*', 'best'))} |")
+    return lines
+
+
+def report(part1_results, zs, args, draws=(), check=None):
     lines = [f"## E4: adaptive sparsification in the paper's setting (plain compressed GD, step 1/L, "
              f"λ = {args.lam:g}, ε = {args.eps:g} on f − f*)", "",
              "Generated by `python experiments/adaptive_sparsification.py --data DIR` (numbers also in "
              "[adaptive_sparsification.json](adaptive_sparsification.json), figure "
              "[adaptive_sparsification.png](adaptive_sparsification.png)).", ""]
     lines += PAPER + ["", PREVIOUS, ""]
-    lines += ["Findings:", ""] + conclusions(part1_results, zs) + [""]
+    lines += ["Findings against the baselines a user would pick (the table right below):", ""]
+    lines += baseline_findings(draws) if draws else []
+    if check:
+        c = compare(check, "check")
+        lines.append(f"- Held out ({check['dataset']}, λ = {check['lam']:g}, {check['cost']}; table below): the tracker "
+                     f"needs {c['tracker'] / c['best']:.2f}× the bits of the best fixed k (k = {c['best_k']}) and "
+                     f"{c['tracker'] / c['dense']:.2f}× those of dense GD without indices; the one-step rule "
+                     f"{c['greedy'] / c['best']:.2f}× and {c['greedy'] / c['dense']:.2f}×, fixed k = d/2 "
+                     f"{c['half'] / c['best']:.2f}× and {c['half'] / c['dense']:.2f}×; with the potentials "
+                     f"log(f − ℓ) and log(f − f*) the tracker needs "
+                     + " and ".join("—" if c.get(kind) is None else f"{c[kind] / c['best']:.2f}×"
+                                    for kind in ("tracker-PL", "tracker-f*")) + " the best.")
+    lines += [""]
+    lines += baseline_report(draws, args) + check_report(check) + [""]
+    lines += ["Findings of the sweep (the tables below):", ""] + conclusions(part1_results, zs) + [""]
     lines += ["### Adaptive k against the fixed-k sweep", "",
               "One node, true gradient, no error feedback, x⁺ = x − (1/L)·T_k(∇f(x)), T_k per coordinate. "
               "Cost of a step: ⌈log2 d⌉ index bits + 32 value bits per kept entry as emitted by the encoder, plus "
@@ -776,6 +1124,11 @@ def main():
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--zerosum-max-steps", type=int, default=3000)
+    p.add_argument("--baselines", default="phishing,mushrooms,a9a,w8a",
+                   help="data sets for the rules against the baselines (part 3; '' to skip)")
+    p.add_argument("--seeds", default="0,1,2", help="draws of the data for part 3")
+    p.add_argument("--keep", type=float, default=0.9, help="share of the samples in each draw (part 3)")
+    p.add_argument("--check", action="store_true", help="the held-out setting (a9a, λ = 0.01, 39k + 32 bits)")
     p.add_argument("--out", default="docs")
     p.add_argument("--fresh", action="store_true",
                    help="start a new JSON instead of adding to (and replacing runs in) the existing one")
@@ -808,12 +1161,28 @@ def main():
         problem = Logistic(get(args.zerosum_dataset), args.lam, workers=args.workers)
         zs = part2(problem, args.workers, args.block_size, args.eps, args.zerosum_max_steps,
                    log=lambda s: print(s, flush=True))
+    draws = [r for r in store.get("baselines", []) if r["lam"] == args.lam and r["eps"] == args.eps]
+    for name in filter(None, args.baselines.split(",")):
+        for seed in map(int, filter(None, args.seeds.split(","))):
+            t = time.time()
+            problem = Logistic(Data(Path(args.data) / f"{name}.xz", args.keep, seed), args.lam)
+            res = part3(problem, args.eps, args.max_steps, log=lambda s: print(s, flush=True))
+            res.update(seed=seed, keep=args.keep)
+            draws = [r for r in draws if (r["dataset"], r["seed"]) != (name, seed)] + [res]
+            print(f"  {name} seed {seed} ({time.time() - t:.0f}s)", flush=True)
+            path.write_text(to_json({"part1": results, "zerosum": zs, "baselines": draws}) + "\n")
+    check = store.get("check")
+    if args.check:
+        check = held_out_check(args.data, args.max_steps, log=lambda s: print(s, flush=True))
+    draws.sort(key=lambda r: (r["d"], r["seed"]))
     results.sort(key=lambda r: (r["problem"] != "logistic", r["d"]))
     for res in results + ([zs] if zs else []):
         res["runs"] = {name: slim(name, r) for name, r in res["runs"].items()}
-    path.write_text(to_json({"part1": results, "zerosum": zs}) + "\n")
+    for res in draws + ([check] if check else []):
+        res["runs"] = {name: slim(name, r) for name, r in res["runs"].items()}
+    path.write_text(to_json({"part1": results, "zerosum": zs, "baselines": draws, "check": check}) + "\n")
     figure(results, zs, out / "adaptive_sparsification.png")
-    lines = report(results, zs, args)
+    lines = report(results, zs, args, draws, check)
     update_sections(out / "compression.md", lines)
     print("\n".join(lines))
 

@@ -115,37 +115,56 @@ def e2(args, plt, lines):
              "ω ≈ n − 1, which adds about n·log(1/ε) steps to the dense count of about κ·log(1/ε) "
              f"(κ = L/λ = {L / lam:.0f} here). Steps stay nearly flat in n while κ ≫ n; with a larger λ "
              f"(`--e2-lam 0.1`, κ = {(L - lam + 0.1) / 0.1:.0f}) they grow with n beyond 8 workers.", "",
-             "| n | τ | dense: steps | raw: steps | DIANA: steps | DIANA, ESO step: steps | dense kbit/worker | "
-             "DIANA kbit/worker | ZeroSum bits ratio | payload bits ratio |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             f"Uncompressed: dense GD's bits per worker as plain float32 values without indices ('plain') and in "
+             f"uncompressed ZeroSum packets (256-value blocks, 'ZeroSum'); the columns after them are in ZeroSum "
+             f"packets with 1-value blocks, as run. The ESO-step DIANA runs over the seeds "
+             f"{', '.join(map(str, E2_SEEDS))} of the random blocks (mean, min–max in the ratio columns); the "
+             f"other compressed runs use seed {E2_SEEDS[0]}.", "",
+             "| n | τ | dense: steps | raw: steps | DIANA: steps | DIANA, ESO step: steps | dense kbit/worker: plain | "
+             "uncompressed ZeroSum | 1-value blocks | DIANA kbit/worker | DIANA (ZeroSum) / dense plain | "
+             "dense / DIANA, ZeroSum bits | dense plain / DIANA values only |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     ns, it_dense, it_raw, it_diana, it_eso, ratio, payloads = [], [], [], [], [], [], []
     _, fstar = Problem(X, y, 1, lam).optimum()      # the same data, whatever the split
+    per_dense = dense_step_bits(m)
     for n in (1, 2, 4, 8, 16, 32, 64):
         prob = Problem(X, y, n, lam)
         tau = -(-m // n)
         omega = m / tau - 1
         gamma = 1 / (L * (1 + 2 * omega / n))
         d_steps, d_bits = iterations_to(prob, [C.NoCompression() for _ in range(n)], 1 / L, eps, cap, fstar, B)
-        r_steps, _ = iterations_to(prob, [C.RandomKBlocks(n, seed=5, rank=r, block_size=B) for r in range(n)],
-                                   gamma, eps, cap, fstar, B)
-        def diana():
-            return [C.DIANA(C.RandomKBlocks(n, seed=5, rank=r, block_size=B), omega=omega) for r in range(n)]
-        g_steps, _ = iterations_to(prob, diana(), gamma, eps, cap, fstar, B)
-        e_steps, g_bits = iterations_to(prob, diana(), 1 / (L + 2 * omega / n * m_diag), eps, cap, fstar, B)
+        r_steps, _ = iterations_to(prob, [C.RandomKBlocks(n, seed=E2_SEEDS[0], rank=r, block_size=B)
+                                          for r in range(n)], gamma, eps, cap, fstar, B)
+        def diana(seed):
+            return [C.DIANA(C.RandomKBlocks(n, seed=seed, rank=r, block_size=B), omega=omega) for r in range(n)]
+        g_steps, _ = iterations_to(prob, diana(E2_SEEDS[0]), gamma, eps, cap, fstar, B)
+        eso = [iterations_to(prob, diana(seed), 1 / (L + 2 * omega / n * m_diag), eps, cap, fstar, B)
+               for seed in E2_SEEDS]
         fmt = lambda v: "—" if v is None else str(v)
-        rat = (d_bits / g_bits) if e_steps and d_steps else None
+        reached = d_steps is not None and all(st is not None for st, _ in eso)
+        plain = d_steps * per_dense["plain floats"] if d_steps else None
+        zs_dense = d_steps * per_dense["uncompressed ZeroSum"] if d_steps else None
+        rat = [d_bits / g_bits for _, g_bits in eso] if reached else None
+        vs_plain = [g_bits / plain for _, g_bits in eso] if reached else None
         # values only (4 bytes each), without ZeroSum's entries and headers: the paper's accounting
-        payload = (d_steps * m) / (e_steps * tau) if e_steps and d_steps else None
-        table.append(f"| {n} | {tau} | {fmt(d_steps)} | {fmt(r_steps)} | {fmt(g_steps)} | {fmt(e_steps)} | "
-                     f"{d_bits / 1e3:.0f} | "
-                     f"{g_bits / 1e3:.0f} | {'—' if rat is None else f'{rat:.1f}×'} | "
-                     f"{'—' if payload is None else f'{payload:.1f}×'} |")
+        payload = [(d_steps * m) / (st * tau) for st, _ in eso] if reached else None
+        spread = lambda v: "—" if v is None else (f"{np.mean(v):.2f}×" if max(v) - min(v) < 0.005 else
+                                                  f"{np.mean(v):.2f}× ({min(v):.2f}–{max(v):.2f})")
+        e_steps = None if not reached else float(np.mean([st for st, _ in eso]))
+        table.append(f"| {n} | {tau} | {fmt(d_steps)} | {fmt(r_steps)} | {fmt(g_steps)} | "
+                     f"{'—' if e_steps is None else f'{e_steps:.0f}'} | "
+                     f"{'—' if plain is None else f'{plain / 1e3:.0f}'} | "
+                     f"{'—' if zs_dense is None else f'{zs_dense / 1e3:.0f}'} | "
+                     f"{d_bits / 1e3:.0f} | {np.mean([b for _, b in eso]) / 1e3:.0f} | {spread(vs_plain)} | "
+                     f"{spread(rat)} | {spread(payload)} |")
         ns.append(n); it_dense.append(d_steps); it_raw.append(r_steps); it_diana.append(g_steps)
-        it_eso.append(e_steps); ratio.append(rat)
-        payloads.append(payload)
+        it_eso.append(e_steps); ratio.append(None if rat is None else float(np.mean(rat)))
+        payloads.append(None if payload is None else float(np.mean(payload)))
         print(table[-1], flush=True)
-    table += ["", "'—': ε not reached within the step limit. Bits ratios are dense / DIANA bits per worker to "
-              "reach ε, in ZeroSum packets and counting values only, as the paper does. In ZeroSum packets a "
+    table += ["", "'—': ε not reached within the step limit. Bits ratios are per worker to reach ε: DIANA in "
+              "ZeroSum packets against dense GD sent as plain floats (what a user without ZeroSum sends; below "
+              "1× only if DIANA pays), dense / DIANA both in ZeroSum packets, and dense as plain floats / DIANA "
+              "counting values only, as the paper does. In ZeroSum packets a "
               "worker pays a 16-byte entry per column per allreduce (the bootstrap) and one per round, and "
               "there is a round for every block that *any* worker sends: a worker without data in it "
               "acknowledges the previous result with a header-only entry, which is what loss recovery with "
@@ -219,23 +238,49 @@ def main():
     print("\n".join(lines))
 
 
+TARGETS = (1e-3, 1e-4, 1e-5)
+E1_SEEDS = (1, 2, 3)
+E3_SEEDS = (2, 3, 4)
+E2_SEEDS = (5, 6, 7)
+
+
+def first_below(gaps, eps):
+    """The number of steps after which f − f* ≤ eps first holds (None: not within the run)."""
+    hit = np.flatnonzero(np.asarray(gaps) <= eps)
+    return int(hit[0]) + 1 if hit.size else None
+
+
+def dense_step_bits(d):
+    """Bits a worker sends in one dense step: as plain float32 values without indices, and as
+    uncompressed ZeroSum (its default 256-value blocks, every worker sending every block)."""
+    return {"plain floats": 32 * d, "uncompressed ZeroSum": 8 * C.wire_bytes(np.ones(d, np.float32), 256)}
+
+
 def e1(prob, n, omega, tau, m, gamma, L, B, args, plt, lines):
     """DIANA vs compressed GD without shifts (same random-k block compressor, τ = m/n)."""
-    runs = {
-        "dense GD": ([C.NoCompression() for _ in range(n)], 1 / L),
-        "random-k, no shifts": ([C.RandomKBlocks(n, seed=1, rank=r, block_size=B) for r in range(n)], gamma),
-        "DIANA (random-k)": ([C.DIANA(C.RandomKBlocks(n, seed=1, rank=r, block_size=B), omega=omega)
-                              for r in range(n)], gamma),
-    }
+    def runs(seed):
+        return {
+            "dense GD": ([C.NoCompression() for _ in range(n)], 1 / L),
+            "random-k, no shifts": ([C.RandomKBlocks(n, seed=seed, rank=r, block_size=B) for r in range(n)], gamma),
+            "DIANA (random-k)": ([C.DIANA(C.RandomKBlocks(n, seed=seed, rank=r, block_size=B), omega=omega)
+                                  for r in range(n)], gamma),
+        }
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     lines += ["## E1: DIANA vs compressed gradient descent without shifts", "",
               f"Random-k blocks, τ = {tau} of m = {m} blocks per worker (ω = {omega:g}), step 1/(L(1+2ω/n)).",
               "", "| method | f − f* after all steps | kbit sent per worker |", "|---|--:|--:|"]
-    for name, (comps, g) in runs.items():
-        gaps, bits = run(prob, comps, args.steps, g, B)
-        ax[0].semilogy(gaps, label=name)
-        ax[1].semilogy(bits / 1e3, gaps, label=name)
-        lines.append(f"| {name} | {gaps[-1]:.2e} | {bits[-1] / 1e3:.0f} |")
+    trajectories = {}
+    for seed in E1_SEEDS:
+        for name, (comps, g) in runs(seed).items():
+            if name == "dense GD" and seed != E1_SEEDS[0]:
+                continue                               # deterministic
+            gaps, bits = run(prob, comps, args.steps, g, B)
+            trajectories[name, seed] = gaps, bits
+            if seed == E1_SEEDS[0]:
+                ax[0].semilogy(gaps, label=name)
+                ax[1].semilogy(bits / 1e3, gaps, label=name)
+                lines.append(f"| {name} | {gaps[-1]:.2e} | {bits[-1] / 1e3:.0f} |")
+    lines += e1_bits_to_target(trajectories, prob.X.shape[1], tau * B, args.steps)
     ax[0].set_xlabel("iteration"); ax[1].set_xlabel("kbit sent per worker (ZeroSum packets)")
     for a in ax:
         a.set_ylabel("f(x) − f*"); a.legend()
@@ -243,24 +288,123 @@ def e1(prob, n, omega, tau, m, gamma, L, B, args, plt, lines):
     fig.tight_layout(); fig.savefig(Path(args.out) / "compression_e1.png", dpi=110); plt.close(fig)
 
 
+def bits_to_target(trajectories, rows, dense_key, d, steps, seeds_text):
+    """Bits per worker to reach each of TARGETS, as a multiple of dense GD's bits sent as plain float32
+    values without indices. trajectories[(method, seed)] = (gaps, cumulative bits as run); rows:
+    (method, how the bits are counted, price(bits as run, steps to ε) → bits, seeds)."""
+    dense_gaps, _ = trajectories[dense_key]
+    plain = {eps: first_below(dense_gaps, eps) * dense_step_bits(d)["plain floats"] for eps in TARGETS}
+
+    def cell(values):
+        if any(v is None for v in values):
+            return "—"
+        mean = np.mean(values)
+        return f"{mean:.2f}×" if len(values) == 1 or max(values) - min(values) < 0.005 else \
+            f"{mean:.2f}× ({min(values):.2f}–{max(values):.2f})"
+
+    out = ["", f"Bits per worker to reach f − f* ≤ ε, as a multiple of dense GD's bits sent as plain float32 "
+           f"values without indices ({', '.join(f'ε = {eps:g}: {plain[eps] / 1e3:,.0f} kbit' for eps in TARGETS)}); "
+           f"{seeds_text}: mean (min–max); steps to ε in brackets (the mean); '—': not within {steps} steps.", "",
+           "| method | bits counted | " + " | ".join(f"ε = {eps:g}" for eps in TARGETS) + " |",
+           "|---|---|" + "--:|" * len(TARGETS)]
+    for name, how, price, seeds in rows:
+        cells = []
+        for eps in TARGETS:
+            ratios, counts = [], []
+            for seed in seeds:
+                gaps, bits = trajectories[name, seed]
+                s = first_below(gaps, eps)
+                counts.append(s)
+                ratios.append(None if s is None else price(bits, s) / plain[eps])
+            steps_text = "" if None in counts else f" [{np.mean(counts):.0f}]"
+            cells.append(cell(ratios) + steps_text)
+        out.append(f"| {name} | {how} | " + " | ".join(cells) + " |")
+    return out
+
+
+def dense_rows(d, seed):
+    """dense GD's rows: plain floats, uncompressed ZeroSum, and ZeroSum packets as run."""
+    per_dense = dense_step_bits(d)
+    return [("dense GD", "plain float32, no indices", lambda bits, s: s * per_dense["plain floats"], [seed]),
+            ("dense GD", "uncompressed ZeroSum (256-value blocks)",
+             lambda bits, s: s * per_dense["uncompressed ZeroSum"], [seed]),
+            ("dense GD", "ZeroSum, 8-value blocks (as run)", lambda bits, s: bits[s - 1], [seed])]
+
+
+def as_run(bits, s):
+    return bits[s - 1]
+
+
+def e1_bits_to_target(trajectories, d, values_sent, steps):
+    """E1's bits to target: dense GD, and random-k and DIANA as run and counting values only."""
+    rows = dense_rows(d, E1_SEEDS[0])
+    for name in ("random-k, no shifts", "DIANA (random-k)"):
+        rows += [(name, "ZeroSum, 8-value blocks (as run)", as_run, E1_SEEDS),
+                 (name, f"values only ({values_sent} float32, shared seed: no indices)",
+                  lambda bits, s: s * 32 * values_sent, E1_SEEDS)]
+    out = bits_to_target(trajectories, rows, ("dense GD", E1_SEEDS[0]), d, steps,
+                         f"random-k and DIANA over the seeds {', '.join(map(str, E1_SEEDS))} of the random blocks")
+    return out + ["", e1_reading(trajectories, values_sent, dense_step_bits(d)["plain floats"])]
+
+
+def e1_reading(trajectories, values_sent, plain_step):
+    """DIANA's bits against dense GD's, each counted the same way, over the seeds and targets."""
+    dense_gaps, dense_bits = trajectories["dense GD", E1_SEEDS[0]]
+    zs, values, steps = [], [], []
+    for eps in TARGETS:
+        d = first_below(dense_gaps, eps)
+        for seed in E1_SEEDS:
+            gaps, bits = trajectories["DIANA (random-k)", seed]
+            s = first_below(gaps, eps)
+            if s is None:
+                return "DIANA did not reach every target within the run: see the table."
+            zs.append(bits[s - 1] / dense_bits[d - 1])
+            values.append(s * values_sent / (d * plain_step / 32))
+            steps.append(s / d)
+    rng = lambda v: f"{min(v):.2f}–{max(v):.2f}×"
+    return (f"DIANA against dense GD, to every target and over the seeds: {rng(steps)} the steps; in ZeroSum "
+            f"packets (8-value blocks, each sent block an entry, every worker an entry for every block any "
+            f"worker sends) {rng(zs)} dense GD's bits in the same packets, i.e. it costs more than it saves; "
+            f"counting values only (the papers' accounting: random blocks from a shared seed need no indices) "
+            f"{rng(values)} the bits of dense GD sent as plain floats. The shifts remove the plateau of "
+            f"compression without shifts (the first table), not the cost of ZeroSum's per-block entries.")
+
+
 def e3(prob, n, omega, m, gamma, L, B, args, plt, lines):
     """Top-k with and without error feedback vs random-k vs dense."""
     k_density = 2 / m
     runs = {
-        "dense GD": [C.NoCompression() for _ in range(n)],
-        "top-k blocks + EF": [C.TopKBlocks(k_density, True, block_size=B) for _ in range(n)],
-        "top-k blocks, no EF": [C.TopKBlocks(k_density, False, block_size=B) for _ in range(n)],
-        "random-k blocks": [C.RandomKBlocks(n, tau=2, seed=2, rank=r, block_size=B) for r in range(n)],
+        "dense GD": lambda seed: [C.NoCompression() for _ in range(n)],
+        "top-k blocks + EF": lambda seed: [C.TopKBlocks(k_density, True, block_size=B) for _ in range(n)],
+        "top-k blocks, no EF": lambda seed: [C.TopKBlocks(k_density, False, block_size=B) for _ in range(n)],
+        "random-k blocks": lambda seed: [C.RandomKBlocks(n, tau=2, seed=seed, rank=r, block_size=B) for r in range(n)],
     }
     fig, ax = plt.subplots(figsize=(6, 4))
     lines += ["", "## E3: top-k with and without error feedback vs random-k vs dense", "",
               f"2 of {m} blocks per worker per step; step 1/L for dense and top-k, 1/(L(1+2ω/n)) for random-k.",
               "", "| method | f − f* after all steps | kbit sent per worker |", "|---|--:|--:|"]
-    for name, comps in runs.items():
-        g = gamma if name.startswith("random") else 1 / L
-        gaps, bits = run(prob, comps, args.steps, g, B)
-        ax.semilogy(gaps, label=name)
-        lines.append(f"| {name} | {gaps[-1]:.2e} | {bits[-1] / 1e3:.0f} |")
+    trajectories = {}
+    for name, make in runs.items():
+        seeds = E3_SEEDS if name.startswith("random") else E3_SEEDS[:1]       # the others are deterministic
+        for seed in seeds:
+            g = gamma if name.startswith("random") else 1 / L
+            gaps, bits = run(prob, make(seed), args.steps, g, B)
+            trajectories[name, seed] = gaps, bits
+            if seed == E3_SEEDS[0]:
+                ax.semilogy(gaps, label=name)
+                lines.append(f"| {name} | {gaps[-1]:.2e} | {bits[-1] / 1e3:.0f} |")
+    d = prob.X.shape[1]
+    index_bits = (m - 1).bit_length()
+    rows = dense_rows(d, E3_SEEDS[0])
+    for name in ("top-k blocks + EF", "top-k blocks, no EF"):
+        rows += [(name, "ZeroSum, 8-value blocks (as run)", as_run, E3_SEEDS[:1]),
+                 (name, f"values and block indices (2 × ({B} float32 + {index_bits} bits))",
+                  lambda bits, s: s * 2 * (32 * B + index_bits), E3_SEEDS[:1])]
+    rows += [("random-k blocks", "ZeroSum, 8-value blocks (as run)", as_run, E3_SEEDS),
+             ("random-k blocks", f"values only ({2 * B} float32, shared seed: no indices)",
+              lambda bits, s: s * 32 * 2 * B, E3_SEEDS)]
+    lines += bits_to_target(trajectories, rows, ("dense GD", E3_SEEDS[0]), d, args.steps,
+                            f"random-k over the seeds {', '.join(map(str, E3_SEEDS))} of the random blocks")
     ax.set_xlabel("iteration"); ax.set_ylabel("f(x) − f*"); ax.legend()
     ax.set_title(f"E3: sparsifiers, {args.dataset}, {n} workers")
     fig.tight_layout(); fig.savefig(Path(args.out) / "compression_e3.png", dpi=110); plt.close(fig)

@@ -446,3 +446,92 @@ def test_adaptive_blocks_are_the_brute_force_argmax_of_decrease_per_zerosum_byte
         mine = (rows * (chosen & has)[:, None]).reshape(-1)
         ratios.append(norms[chosen].sum() / C.wire_bytes(mine, block_size, max_datagram, columns, rounds=chosen))
     assert k == int(np.argmax(ratios)) + 1
+
+
+@pytest.mark.parametrize("d", [1, 7, 64, 301])
+@pytest.mark.parametrize("kw", BIT_COSTS)
+def test_dense_bits_count_exactly_what_the_dense_encoder_emits(d, kw):
+    cost = A.BitCost(d, **kw)
+    g = np.random.default_rng(d).standard_normal(d).astype(np.float32)
+    messages = A.encode_dense(g, cost)
+    assert A.emitted_bits(messages) == cost.dense_bits
+    assert all(m.size <= cost.per_message + (cost.max_payload or m.size) for m in messages)
+    assert np.array_equal(A.decode_dense(messages, cost), g)
+    if not kw["per_message"]:
+        assert cost.dense_bits == 32 * d                      # plain floats, no indices
+
+
+def test_level_grid_is_geometric_from_dense_and_keeps_only_k_cheaper_than_dense():
+    cost = A.BitCost(16)                                      # 4 + 32 bits an entry, dense 512 bits
+    assert A.level_grid(16, cost, cost.dense_bits).tolist() == [16, 13, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1]
+    udp = A.BitCost(16, per_message=336)                      # 36k + 336 < 848 only for k ≤ 14
+    assert A.level_grid(16, udp, udp.dense_bits, ratio=2).tolist() == [16, 8, 4, 2, 1]
+    assert A.level_grid(16, lambda k: 100 * k, 150).tolist() == [16, 1]
+    assert A.level_grid(1, cost, 32).tolist() == [1]
+
+
+def _track(tracker, rate, cost, steps, start_potential=0.0):
+    """Plays `steps` steps: at level k a step costs cost[k] bits and lowers the potential by
+    rate(k, steps at k since the last switch) · cost[k]. Returns the bits spent at each level."""
+    potential, bits, spent, last, run = start_potential, 0.0, {}, None, 0
+    for _ in range(steps):
+        k = tracker.choose(potential, bits)
+        run = run + 1 if k == last else 1
+        last = k
+        potential -= rate(k, run) * cost[k]
+        bits += cost[k]
+        spent[k] = spent.get(k, 0.0) + cost[k]
+    return spent
+
+
+def test_level_tracker_climbs_to_the_best_level_and_stays_with_probes_backing_off():
+    levels = [64, 45, 32, 23, 16, 11, 8]
+    best = 23
+    rate = lambda k, run: 1.0 - 0.1 * abs(np.log2(k / best))      # unimodal in log k, per bit
+    cost = {k: 10.0 + k for k in levels}
+    tracker = A.LevelTracker(levels, segment_bits=200.0)
+    spent = _track(tracker, rate, cost, 6000)
+    assert tracker.levels[tracker.current] == best
+    path = [k for k, _ in tracker.segments]
+    assert path[:7:2] == [64, 45, 32, 23]                        # current, probe down (accepted), ...
+    arrived = path.index(best)
+    probes = sum(k != best for k in path[arrived:])
+    assert probes <= 2 * np.log2(len(path) - arrived) + 2          # back-off: logarithmically many probes
+    assert spent[best] / sum(spent.values()) > 0.85
+
+
+def test_level_tracker_does_not_move_on_a_tie_or_a_worse_neighbour():
+    levels = [8, 4, 2]
+    tracker = A.LevelTracker(levels, segment_bits=50.0)
+    _track(tracker, lambda k, run: 1.0 if k == 8 else 0.5, {8: 10.0, 4: 10.0, 2: 10.0}, 400)
+    assert tracker.levels[tracker.current] == 8 and {k for k, _ in tracker.segments} == {8, 4}
+    flat = A.LevelTracker(levels, segment_bits=50.0, start=1)
+    _track(flat, lambda k, run: 1.0, {8: 10.0, 4: 10.0, 2: 10.0}, 400)
+    assert flat.levels[flat.current] == 4                          # equal scores: stays
+
+
+def test_level_tracker_warmup_ignores_the_transient_after_a_switch():
+    """A level that is good for its first steps after a switch (the greedy rule's trap: the largest
+    entries go first) and worse afterwards fools segments scored from their first step, not those
+    whose first half is left unscored."""
+    levels = [16, 8]
+    cost = {16: 10.0, 8: 10.0}
+    rate = lambda k, run: 1.0 if k == 16 else (3.0 if run <= 3 else 0.5)
+    fooled = A.LevelTracker(levels, segment_bits=100.0)
+    spent = _track(fooled, rate, cost, 300)
+    assert [k for k, _ in fooled.segments[:5]] == [16, 8, 8, 16, 16]     # moves to 8, then back, and again
+    assert spent[8] == spent[16]
+    careful = A.LevelTracker(levels, segment_bits=100.0, warmup=0.5)
+    spent = _track(careful, rate, cost, 300)
+    assert careful.levels[careful.current] == 16
+    assert spent[8] / (spent[8] + spent[16]) < 0.15                     # probes only, backing off
+
+
+def test_gap_level_tracker_scores_the_log_gap_with_the_latest_lower_bound():
+    tracker = A.GapLevelTracker([8, 4], segment_bits=10.0)
+    tracker.choose_gap(9.0, 0.0, 0.0)                       # f = 9, f* ≥ 0
+    tracker.choose_gap(5.0, 1.0, 10.0)                      # segment ends: ℓ = 1 for both ends
+    assert tracker.segments[0][0] == 8
+    assert np.isclose(tracker.segments[0][1], np.log(8 / 4) / 10)
+    tracker.choose_gap(3.0, 0.5, 20.0)                      # a looser bound does not replace a tighter one
+    assert np.isclose(tracker.segments[1][1], np.log(4 / 2) / 10) and tracker.lower == 1.0

@@ -21,6 +21,10 @@ T_k keeping the k entries of largest magnitude. This module holds the rule over 
   `wire_bytes` (entries, payload, datagram headers, and the header-only entries of a worker that has no
   data in a block of the common set), for every k at once; `choose_blocks` applies the rule with it.
 
+`LevelTracker` replaces the one-step rule by an online search over levels scored by the measured
+decrease of log ||∇f||² per bit over segments of steps; `level_grid` gives it the levels, from dense
+(`encode_dense`: all d values without indices, `BitCost.dense_bits`) down.
+
 `AdaptiveTopKBlocks` is the rule applied inside error feedback, per worker, on whole blocks, with an
 approximate ZeroSum cost; that is not the setting in which the descent-lemma argument holds (the previous
 E4 measured it: docs/compression.md)."""
@@ -113,6 +117,18 @@ class BitCost:
         k = np.asarray(k, np.int64)
         return k * self.entry_bits + self.messages(k) * self.per_message
 
+    @property
+    def values_per_dense_message(self) -> int | None:
+        return None if self.max_payload is None else self.max_payload // self.value_bits
+
+    @property
+    def dense_bits(self) -> int:
+        """All d values without indices (`value_bits` each, in index order), cut into messages like the
+        entries: what `encode_dense` emits. Sparse k entries are worth sending only below this."""
+        per = self.values_per_dense_message
+        messages = 1 if per is None else -(-self.d // per)
+        return self.d * self.value_bits + messages * self.per_message
+
     def describe(self) -> str:
         s = f"{index_bits(self.d)}+{self.value_bits} bits per entry"
         if self.per_message:
@@ -149,6 +165,27 @@ def encode_sparse(indices: np.ndarray, values: np.ndarray, cost: BitCost) -> lis
     header = np.zeros(cost.per_message, np.uint8)
     chunks = [entries[i:i + per] for i in range(0, max(1, len(entries)), per)]
     return [np.concatenate([header, c.reshape(-1)]) for c in chunks]
+
+
+def encode_dense(values: np.ndarray, cost: BitCost) -> list[np.ndarray]:
+    """The messages that carry all cost.d values without indices: each a header of cost.per_message bits
+    then float32 values in index order; exactly cost.dense_bits bits (tests/test_compression.py)."""
+    raw = np.asarray(values, np.float32).reshape(-1).view(np.uint32)
+    if raw.size != cost.d:
+        raise ValueError(f"a dense message carries all {cost.d} values, got {raw.size}")
+    if cost.value_bits != 32:
+        raise ValueError("the encoder sends float32 values (value_bits = 32)")
+    bits = _bits(raw, 32)
+    per = cost.values_per_dense_message or cost.d
+    header = np.zeros(cost.per_message, np.uint8)
+    return [np.concatenate([header, bits[i:i + per].reshape(-1)]) for i in range(0, cost.d, per)]
+
+
+def decode_dense(messages: list[np.ndarray], cost: BitCost) -> np.ndarray:
+    """The float32 values of `encode_dense`'s messages."""
+    bits = np.vstack([m[cost.per_message:].reshape(-1, 32) for m in messages])
+    weights = np.uint64(1) << np.arange(31, -1, -1, dtype=np.uint64)
+    return (bits.astype(np.uint64) * weights).sum(axis=1).astype(np.uint32).view(np.float32)
 
 
 def decode_sparse(messages: list[np.ndarray], cost: BitCost) -> tuple[np.ndarray, np.ndarray]:
@@ -208,6 +245,141 @@ def choose_blocks(rows: np.ndarray, has_data: np.ndarray | None = None, columns:
     gains = np.cumsum(norms[order])
     costs = zerosum_prefix_bytes(order, len(rows), rows.shape[1], has_data, columns, max_datagram)
     return argmax_ratio(gains, costs), order
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tracking the best level online
+
+def level_grid(d: int, sparse_cost, dense_cost: float, ratio: float = 2 ** 0.25) -> np.ndarray:
+    """The levels `LevelTracker` moves over, from dense down: d (every entry, sent in the cheaper format),
+    then round(d / ratio^j), j = 1, 2, ..., down to 1, keeping only the k whose sparse cost is below
+    dense_cost (a larger k would cost more than sending all d values without indices and move fewer).
+    `sparse_cost` is a function of an array of k; duplicates after rounding are dropped."""
+    ks = {int(round(d / ratio ** j)) for j in range(1, int(np.ceil(np.log(d) / np.log(ratio))) + 2)}
+    ks = np.array(sorted((k for k in ks if 1 <= k < d), reverse=True), np.int64)
+    cheaper = ks[np.asarray(sparse_cost(ks)) < dense_cost] if ks.size else ks
+    return np.r_[d, cheaper].astype(np.int64)
+
+
+class LevelTracker:
+    """Chooses the compression level online by the measured improvement per communicated bit, the quantity
+    Khirirat et al. (arXiv:2003.06377) maximise, but measured over many steps instead of bounded for one.
+
+    The one-step rule k* = argmax ||T_k(g)||²/C(k) is greedy: the entries it prizes are the largest now,
+    and after a few steps of small k the gradient is flat and each entry buys less (docs/compression.md,
+    E4: it never reached the best fixed k). Over a segment of steps at one level, the progress that counts
+    for the bits to a target is the decrease of log(f − f*); it is measured here through the potential
+    log ||∇f||², which differs from log(f − f*) by at most log(L/μ) on an L-smooth, μ-PL function
+    (2μ(f − f*) ≤ ||∇f||² ≤ 2L(f − f*): the left side is the Polyak–Łojasiewicz inequality, Polyak 1963,
+    Karimi, Nutini & Schmidt, ECML-PKDD 2016, §2; the right side the descent lemma at x − ∇f(x)/L), so
+    over long segments the two rates agree. A segment's score is
+
+        (potential at its start − potential at its end) / bits sent in it.
+
+    The levels lie on one axis (`level_grid`: d, then geometrically smaller k). The tracker plays its
+    current level for a segment, then a neighbour (one level down, then one up, alternating) for a segment
+    of the same bits, and moves to the neighbour when it scored higher: compass search (Kolda, Lewis &
+    Torczon, "Optimization by direct search", SIAM Review 45(3), 2003) on a discrete axis with noisy
+    evaluations, each comparison between adjacent segments so that the slow change of the rate over the
+    run affects both alike. The first `warmup` share of each segment's bits is not scored: right after a
+    switch to a smaller k the largest entries go first and the potential drops faster than it will. A
+    probe that fails doubles the number of current segments before the next probe in that direction
+    (exponential back-off), a move resets them, so that where the best level is the current one,
+    exploring costs a vanishing share. No regret bound is claimed; E4 (docs/compression.md) measures it
+    against the best fixed level in hindsight: 0.95–1.08× of it and below dense GD without indices in
+    every run, missing 1.05× where a run is a few dozen dense steps long (the walk down from dense takes
+    a large share) and on a long held-out run, where top-k flattening the gradient makes ||∇f||² fall
+    faster than f − f* and drifts it to small k (`GapLevelTracker` scores f itself).
+
+        tracker = LevelTracker(levels, segment_bits)
+        k = tracker.choose(np.log(g @ g), bits_sent_so_far)      # before each step
+    """
+
+    def __init__(self, levels, segment_bits: float, start: int = 0, margin: float = 0.0, warmup: float = 0.0):
+        self.levels = np.asarray(levels, np.int64)
+        if not self.levels.size:
+            raise ValueError("no levels")
+        if segment_bits <= 0:
+            raise ValueError("segment_bits must be positive")
+        if not 0 <= warmup < 1:
+            raise ValueError("warmup is a share of a segment's bits, in [0, 1)")
+        self.segment_bits, self.margin, self.warmup = float(segment_bits), margin, warmup
+        self.current = self.active = start
+        self.direction = 1                      # +1: toward the end of `levels` (smaller k)
+        self.wait = {1: 1, -1: 1}               # current segments before the next probe, per direction
+        self.since_probe = 0
+        self.probing = False
+        self.current_score = None
+        self.segment_start = None               # (potential, bits) where the segment's level began
+        self.scored_from = None                 # (potential, bits) where its scored part began
+        self.segments: list[tuple[int, float]] = []      # (level, score) of every finished segment
+
+    def _neighbour(self) -> int | None:
+        for direction in (self.direction, -self.direction):
+            if 0 <= self.current + direction < len(self.levels):
+                self.direction = direction
+                return self.current + direction
+        return None
+
+    def _end_segment(self, score: float) -> None:
+        self.segments.append((int(self.levels[self.active]), score))
+        if self.probing:
+            if score > self.current_score + self.margin * abs(self.current_score):
+                self.current = self.active
+                self.wait = {1: 1, -1: 1}
+            else:
+                self.wait[self.direction] *= 2
+                self.direction = -self.direction
+            self.probing, self.active = False, self.current
+            return
+        self.current_score = score
+        self.since_probe += 1
+        neighbour = self._neighbour()
+        if neighbour is not None and self.since_probe >= self.wait[self.direction]:
+            self.probing, self.active, self.since_probe = True, neighbour, 0
+
+    def _score(self, start: tuple[float, float], end: tuple[float, float]) -> float:
+        """A segment's score from its observations (potential, bits) where scoring began and at its end."""
+        return (start[0] - end[0]) / (end[1] - start[1])
+
+    def choose(self, potential: float, bits: float) -> int:
+        """The level for the next step, given the potential now (log ||∇f||²) and the bits sent so far."""
+        now = (potential, bits)
+        if self.segment_start is None:
+            self.segment_start = now
+        if self.scored_from is None and bits - self.segment_start[1] >= self.warmup * self.segment_bits:
+            self.scored_from = now
+        if bits - self.segment_start[1] >= self.segment_bits and bits > self.scored_from[1]:
+            self._end_segment(self._score(self.scored_from, now))
+            self.segment_start, self.scored_from = now, None
+            if self.warmup == 0:
+                self.scored_from = self.segment_start
+        return int(self.levels[self.active])
+
+
+class GapLevelTracker(LevelTracker):
+    """`LevelTracker` with the potential log(f(x) − ℓ) instead of log ||∇f(x)||², ℓ the largest lower bound
+    on f* given so far, applied to both ends of a segment when it ends (so that a later, tighter bound
+    rescales both alike). For a μ-strongly convex f, f* ≥ f(x) − ||∇f(x)||²/(2μ) at every x (the minimum
+    over y of the lower bound f(x) + ∇f(x)ᵀ(y − x) + μ/2·||y − x||²), a bound that tightens as ∇f → 0;
+    with ℓ = f* (an oracle) a segment's score is the decrease of log(f − f*) per bit, the quantity the
+    bits to a target depend on. Unlike ||∇f||², f − ℓ does not drop when top-k flattens the gradient.
+
+        tracker.choose_gap(f(x), f(x) - g @ g / (2 * mu), bits_sent_so_far)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lower = -np.inf
+
+    def _score(self, start, end) -> float:
+        gap = lambda value: max(value - self.lower, np.finfo(float).tiny)
+        return (np.log(gap(start[0])) - np.log(gap(end[0]))) / (end[1] - start[1])
+
+    def choose_gap(self, value: float, lower: float, bits: float) -> int:
+        """The level for the next step, given f(x) now, a lower bound on f*, and the bits sent so far."""
+        self.lower = max(self.lower, lower)
+        return self.choose(value, bits)
 
 
 # ---------------------------------------------------------------------------------------------------------
