@@ -12,17 +12,15 @@ without momentum. Every run over 3 seeds (model initialisation, shards, minibatc
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compression import load_libsvm  # noqa: E402
-from report import update_sections  # noqa: E402
+from compression import load_libsvm
+from report import update_sections
 
-from zerosum import compression as C  # noqa: E402
+from zerosum import compression as C
 
 
 def model(d, seed=0, linear=False):
