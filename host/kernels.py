@@ -644,9 +644,9 @@ def on_loss(st, now):
 
 @njit(**JIT)
 def on_spurious(st, entries, now):
-    """R-C4: the aggregator answered `entries` resent entries with STATUS: it held them already, so they
-    were not lost (a retransmission or probe that another rank's lateness set off; the STATUS is to
-    ZeroSum what a DSACK is to TCP). Undo the last loss cut, if no cut came after it (RFC 3522's
+    """R-C4: the aggregator answered `entries` resent entries with STATUS (it held them already) or with a
+    second RESULT of their round (it had finished it), so they were not lost (a retransmission or probe
+    that another rank's lateness set off; either answer is to ZeroSum what a DSACK is to TCP). Undo the last loss cut, if no cut came after it (RFC 3522's
     response, Linux's DSACK undo), and widen the reordering window by one step, at most once per epoch
     (RFC 8985, section 6.2.4)."""
     f, i = st.f, st.i
@@ -734,7 +734,10 @@ def receive_one(st, b, n, aggregator, now):
         st.counts[5] = -1
         st.counts[6] = -1
     if st.counts[0]:
-        st.drops[D_DUPLICATE] += st.counts[0]         # R-L4
+        # R-L4; and R-C4: the aggregator answers a resent entry of a finished round with its RESULT again,
+        # so a RESULT that arrives twice says what was resent had not been lost either
+        on_spurious(st, st.counts[0], now)
+        st.drops[D_DUPLICATE] += st.counts[0]
         st.counts[0] = 0
     return PROBE_OUT if st.probe[aggregator] >= 0 else APPLIED
 

@@ -134,7 +134,7 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
     assert st.i[K.I_REO_MULT] == 1 and st.i[K.I_REO_CLEAN] == 0
 
 
-def test_a_status_answer_from_the_aggregator_counts_as_spurious():
+def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
     m = machine(columns=4)
     st = m.st
     st.round_block[:] = 0                                           # every column at its first round past BOOT
@@ -146,6 +146,13 @@ def test_a_status_answer_from_the_aggregator_counts_as_spurious():
     datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
     assert K.receive_one(st, datagram, len(datagram), 0, 1.0) == K.APPLIED
     assert m.spurious_entries == 1 and st.i[K.I_REO_MULT] == 2 and st.waiting_for[1] == 0b11
+    ent = P.entries_array(1)
+    st.round_block[1] = 1
+    ent[0] = (1, 0, 0, 1, 0, P.NO_EXP)                              # slot 1's finished round, again
+    hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 1)
+    datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
+    K.receive_one(st, datagram, len(datagram), 0, 1.0)
+    assert m.spurious_entries == 2 and m.drops == {"duplicate_result": 1}
 
 
 def test_the_cap_and_a_window_that_does_not_limit():
