@@ -290,12 +290,12 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
     violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
-    counts[7] counts the STATUS entries for current rounds past the bootstrap (spurious retransmissions).
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
     was sent once only): the congestion controller's samples (a bootstrap round also waits for ranks
     that start later, so it says nothing about the path; the least, because the others may have waited
-    for another rank's retransmission).
+    for another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
+    bootstrap: the aggregator held what was resent (R-C4).
     """
     B = hdr[5]
     reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS)
@@ -646,9 +646,9 @@ def on_loss(st, now):
 def on_spurious(st, entries, now):
     """R-C4: the aggregator answered `entries` resent entries with STATUS (it held them already) or with a
     second RESULT of their round (it had finished it), so they were not lost (a retransmission or probe
-    that another rank's lateness set off; either answer is to ZeroSum what a DSACK is to TCP). Undo the last loss cut, if no cut came after it (RFC 3522's
-    response, Linux's DSACK undo), and widen the reordering window by one step, at most once per epoch
-    (RFC 8985, section 6.2.4)."""
+    that another rank's lateness set off; either answer is to ZeroSum what a DSACK is to TCP). Undo the
+    last loss cut, if no cut came after it (RFC 3522's response, Linux's DSACK undo), and widen the
+    reordering window by one step, at most once per epoch (RFC 8985, section 6.2.4)."""
     f, i = st.f, st.i
     i[I_SPURIOUS] += entries
     if not i[I_CONGESTION]:
