@@ -287,24 +287,32 @@ class Rule:
         return order[:k]
 
 
+def gd_to_target(problem, step, eps, max_steps):
+    """Compressed GD with step 1/L from the start until f − f* ≤ ε or `max_steps`: step(g) gives the message
+    (indices, float32 values) sent for gradient g. Returns (steps to ε or None, the last gap)."""
+    problem.reset()
+    for n in range(max_steps + 1):
+        gap = problem.gap()
+        if gap <= eps:
+            return n, gap
+        if n == max_steps:
+            return None, gap
+        idx, vals = step(problem.grad())
+        problem.move(idx, -vals.astype(np.float64) / problem.L)
+
+
 def descend(problem, rule, d, eps, max_steps, costs: dict[str, A.BitCost], own: str | None):
     """Compressed GD with step 1/L until f − f* ≤ ε. Every message is encoded under each bit-cost model and
     priced in ZeroSum bytes (`wire_bytes`); `own` names the cost the rule optimises, which is checked to be
     what is counted. The encoder's output length depends only on the number of entries, and `wire_bytes`
     of one worker's 1-value blocks (one column each) only on how many are non-zero, so each is measured
     once per message size and reused."""
-    problem.reset()
     totals = {name: 0 for name in costs} | {"zerosum": 0}
     measured: dict = {}
-    mismatches, steps = 0, None
-    for step in range(max_steps + 1):
-        gap = problem.gap()
-        if gap <= eps:
-            steps = step
-            break
-        if step == max_steps:
-            break
-        g = problem.grad()
+    mismatches = 0
+
+    def step(g):
+        nonlocal mismatches
         idx = rule(g, problem)
         vals = g[idx].astype(np.float32)           # what the encoder carries (decode_sparse: tested)
         key = (len(idx), int(np.count_nonzero(vals)))
@@ -315,7 +323,9 @@ def descend(problem, rule, d, eps, max_steps, costs: dict[str, A.BitCost], own: 
                 mismatches += 1
         for name, bits in measured[key].items():
             totals[name] += bits
-        problem.move(idx, -vals.astype(np.float64) / problem.L)
+        return idx, vals
+
+    steps, gap = gd_to_target(problem, step, eps, max_steps)
     ks = np.array(rule.history) if rule.history else np.array([0])
     return {"steps": steps, "final_gap": gap, "bits": totals, "mismatches": mismatches,
             "k_min": int(ks.min()), "k_max": int(ks.max()), "k_mean": float(ks.mean())}
@@ -549,24 +559,19 @@ class Pricer:
 def descend_levels(problem, choose, pricer: Pricer, own: str | None, eps, max_steps):
     """Compressed GD with step 1/L until f − f* ≤ ε, k from choose(g, bits sent so far in the `own` model).
     Bits are counted under every model (`Pricer`)."""
-    problem.reset()
     totals = dict.fromkeys(pricer.models, 0)
-    ks, steps = [], None
-    for step in range(max_steps + 1):
-        gap = problem.gap()
-        if gap <= eps:
-            steps = step
-            break
-        if step == max_steps:
-            break
-        g = problem.grad()
+    ks = []
+
+    def step(g):
         k = choose(g, totals[own] if own else 0)
         idx = A.magnitude_order(g)[:k]
         vals = g[idx].astype(np.float32)
         for name, bits in pricer(idx, vals).items():
             totals[name] += bits
         ks.append(k)
-        problem.move(idx, -vals.astype(np.float64) / problem.L)
+        return idx, vals
+
+    steps, gap = gd_to_target(problem, step, eps, max_steps)
     ks = np.array(ks or [0])
     return {"steps": steps, "final_gap": gap, "bits": totals, "k_min": int(ks.min()), "k_max": int(ks.max()),
             "k_mean": float(ks.mean())}
