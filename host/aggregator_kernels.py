@@ -110,7 +110,7 @@ def _add_swapped(words, at, acc, s):
         row[v] += np.int32(swap32(w[v]))
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, acc, shadow, seen, stamp,
                done, counts, replies):
     """One DATA datagram from a member: validate it, then add its entries to their slots.

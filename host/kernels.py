@@ -503,7 +503,7 @@ _KNOWN_TYPES = np.array(sorted(P.TYPE_NAMES), np.int64)
 DROPPED, PROBE_OUT = -1, -2
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def measure(st, r):
     """Adapt the retransmission timeout to a round-trip sample (RFC 6298, section 2)."""
     f = st.f
@@ -517,7 +517,7 @@ def measure(st, r):
     update_rto(st)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def update_rto(st):
     """The base timeout from the estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298, 2.3)."""
     f = st.f
@@ -575,7 +575,7 @@ def end_epoch(st, now):
         cut_window(st, max(1.0 - DELAY_GAIN * excess / rtt, 1.0 - MAX_DELAY_CUT), now)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def on_rounds(st, acked, rtt, now, sent):
     """`acked` rounds past the bootstrap completed, the quickest of those sent once took `rtt` seconds
     and the latest of them was sent at `sent` (both negative: none). R-C2: the window grows while the
@@ -742,7 +742,7 @@ def receive_one(st, b, n, aggregator, now):
     return PROBE_OUT if st.probe[aggregator] >= 0 else APPLIED
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def encode_columns(st, ncols):
     """Build this round's entries for st.cols[:ncols], fused into datagrams; returns how many."""
     nd = encode_data(st.out, st.cuts, st.cols, ncols, st.probe.shape[0], st.hdr, st.round_block, st.round_exp,
@@ -753,7 +753,7 @@ def encode_columns(st, ncols):
     return nd
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def flush_ready(st, now):
     """The next round's entries of every column that got its result since the last flush (R-A8), within
     the window (R-L6); returns the number of datagrams built (st.cuts)."""
@@ -766,7 +766,7 @@ def flush_ready(st, now):
     return encode_columns(st, n) if n else 0
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def timer(st):
     """When the machine next needs poll(): a column's timer expired while its aggregator is quiet, or
     the allreduce timed out (R-L1, R-L2, R-L5); inf when done."""
@@ -794,7 +794,7 @@ def _raw_state(st):
 DONE, TIMER, PROBE, VIOLATION, NEED_ROWS = range(5)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def queue_cuts(fd, tx, st, nd, keys, loss):
     """Queue the datagrams listed in st.cuts[:nd] to their aggregators (keys: ip << 16 | port)."""
     base = st.out.ctypes.data
