@@ -277,16 +277,14 @@ def _violation(seq, mine_pos, col_stop, c, agreed_exp, is_int, has, block, nxt, 
     return APPLIED
 
 
-@njit(**JIT)
-def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, is_int, precision, divisor,
-                   round_block, round_exp, mine_pos, col_stop, seq, ready, deadline, rto, sent_at,
-                   waiting_for, status_seen, base_rto, max_rto, now, out_values, out_n, collect,
-                   out_blocks, counts, seen, stamp):
-    """Apply one RESULT or STATUS datagram from `aggregator` to the worker's column state.
+@njit(inline="always", **JIT)
+def apply_datagram(st, b, n, ptype, nent, aggregator, now):
+    """Apply one RESULT or STATUS datagram from `aggregator` to the worker's column state st.
 
-    RESULT entries for a column's current round store their sums (dequantised, divided by `divisor`
-    when averaging) in `out_values` (block b at b*B, or, with `collect`, at the next free row, its block
-    in out_blocks; counts[1] rows used), advance the column and mark it ready (counts[2] counts columns
+    (Inlined: numba passes a record by value, which would copy its ~200 words per datagram.)
+    RESULT entries for a column's current round store their sums (dequantised, divided by f[F_DIVISOR]
+    when averaging) in st.values (block b at b*B, or, with i[I_COLLECT], at the next free row, its block
+    in st.blocks_out; counts[1] rows used), advance the column and mark it ready (counts[2] counts columns
     that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
     "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
     violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
@@ -297,10 +295,16 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
     for another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
     bootstrap: the aggregator held what was resent (R-C4).
     """
+    hdr, counts, round_block, round_exp = st.hdr, st.counts, st.round_block, st.round_exp
+    seq, mine_pos, col_stop = st.seq, st.mine_pos, st.col_stop
+    deadline, rto, sent_at, status_seen = st.deadline, st.rto, st.sent_at, st.status_seen
+    aggregators = st.probe.shape[0]
+    is_int, precision, divisor = st.i[I_IS_INT] != 0, st.i[I_PRECISION], np.float32(st.f[F_DIVISOR])
+    out_values, out_n, collect = st.values, st.values.size, st.i[I_COLLECT] != 0
     B = hdr[5]
     reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS)
     if reason == OK:
-        reason = check_slots(b, nent, slots_used, seen, stamp)
+        reason = check_slots(b, nent, st.slots_used[aggregator], st.seen, st.i[I_STAMP])
     if reason != OK:
         return -reason, -1.0, 0
     if ptype == P.RESULT:
@@ -323,12 +327,12 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
             row += 1
         if ptype == P.STATUS:
             if block == round_block[c]:
-                waiting_for[c] = nxt
+                st.waiting_for[c] = nxt
                 status_seen[c] = True
                 if block != BOOT:
                     counts[7] += 1      # the aggregator held our entry: what we resent was not lost
                 # the aggregator holds our contribution and waits for others: no need to resend soon
-                rto[c] = min(rto[c] * 2, max_rto)
+                rto[c] = min(rto[c] * 2, st.f[F_MAX_RTO])
                 deadline[c] = max(deadline[c], now + rto[c])
             continue
         if block != round_block[c]:
@@ -345,7 +349,7 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
             words = b[at: at + B * 4].view(np.uint32)
             if collect:
                 dst = counts[1] * B
-                out_blocks[counts[1]] = block
+                st.blocks_out[counts[1]] = block
                 counts[1] += 1
                 limit = dst + B
             else:
@@ -362,11 +366,11 @@ def apply_datagram(b, n, ptype, nent, aggregator, aggregators, slots_used, hdr, 
         round_exp[c] = nexp
         if not math.isnan(sent_at[c]):
             rtt = max(rtt, now - sent_at[c])
-        rto[c] = base_rto
+        rto[c] = st.f[F_BASE_RTO]
         status_seen[c] = False
         deadline[c] = np.inf
         if nxt != END:
-            ready[c] = True
+            st.ready[c] = True
         else:
             counts[2] += 1
     return APPLIED, rtt, 0
@@ -704,13 +708,7 @@ def receive_one(st, b, n, aggregator, now):
         return DROPPED
     st.i[I_STAMP] += 1
     S = st.round_block.shape[0]
-    A = st.probe.shape[0]
-    code, rtt, block = apply_datagram(
-        b, n, ptype, nent, aggregator, A, st.slots_used[aggregator], hdr, st.i[I_IS_INT] != 0,
-        st.i[I_PRECISION], np.float32(st.f[F_DIVISOR]), st.round_block, st.round_exp, st.mine_pos, st.col_stop,
-        st.seq, st.ready, st.deadline, st.rto, st.sent_at, st.waiting_for, st.status_seen, st.f[F_BASE_RTO],
-        st.f[F_MAX_RTO], now, st.values, st.values.size, st.i[I_COLLECT] != 0, st.blocks_out, st.counts,
-        st.seen, st.i[I_STAMP])
+    code, rtt, block = apply_datagram(st, b, n, ptype, nent, aggregator, now)
     if code < 0:
         st.drops[_DROP_OF_REASON[-code]] += 1
         return DROPPED
