@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import socket
 import time
 
@@ -115,20 +116,28 @@ class AggregatorServer:
         replies and completed rounds sent (sendmmsg, GSO), by compiled code (aggregator_kernels.serve)
         without entering Python; Python takes the rest (JOIN, LEAVE, STATS, anything dropped) one by one,
         in arrival order, through the service's machines."""
-        fd = self.sock.fileno()
         next_stats = time.monotonic() + stats_interval if stats_interval else float("inf")
         last_data = None
         buf = bytearray(P.MAX_DATAGRAM + 1)
         while stop is None or not stop():
-            if idle_exit and last_data is not None and time.monotonic() - last_data > idle_exit:
+            now = time.monotonic()
+            if idle_exit and last_data is not None and now - last_data > idle_exit:
                 log.info("no datagrams for %.1f s: exiting", idle_exit)
                 return
-            n = T.receive(fd, self._rx, 200) if self.features.batched else self._receive_plain(buf)
-            now = time.monotonic()
-            if n:
-                last_data = now
-                if self.features.batched:
-                    self._serve_batch(n, now)
+            if self.features.batched:
+                # compiled, batch after batch, until Python has work: a datagram for the machines, a
+                # timer of the service, the stop check (every 0.2 s), the counters line, the idle exit
+                deadline = min(now + 0.2, self.service.timer(), next_stats,
+                               last_data + idle_exit if idle_exit and last_data is not None else float("inf"))
+                n, i, off = self._serve_compiled(deadline)
+                now = time.monotonic()
+                if self._take_heard(now) or i < n:
+                    last_data = now
+                if i < n:
+                    self._serve_batch(n, i, off, now)
+                self._count_send_errors()
+            elif self._receive_plain(buf):
+                now = last_data = time.monotonic()
             if now >= self.service.timer():
                 self._send(self.service.datagrams_to_send(now))
             if now >= next_stats:
@@ -154,15 +163,21 @@ class AggregatorServer:
             self._send(self.service.datagrams_to_send(time.monotonic()))
         return 1
 
-    def _serve_batch(self, n: int, now: float) -> None:
+    def _serve_compiled(self, deadline: float) -> tuple[int, int, int]:
+        """aggregator_kernels.serve_until over the jobs served (or, with none, one batch received for
+        the machines): (n, i, off) of the batch that needs Python from datagram (i, off) on."""
+        tables = self._fast_tables()
+        if tables is not None:
+            return AK.serve_until(self.sock.fileno(), self._rx, *tables, self._tx, self.loss.rate, deadline)
+        wait_ms = max(1, min(200, math.ceil((deadline - time.monotonic()) * 1000)))
+        return T.receive(self.sock.fileno(), self._rx, wait_ms), 0, 0
+
+    def _serve_batch(self, n: int, i: int, off: int, now: float) -> None:
+        """The received batch from datagram (i, off) on: what the compiled loop left (JOIN, LEAVE, STATS,
+        anything dropped) through the machines, one by one in arrival order, the members' DATA in between
+        through the compiled loop again; then the machines' replies."""
         rx, fd = self._rx, self.sock.fileno()
-        i = off = 0
         while i < n:
-            tables = self._fast_tables()
-            if tables is not None:
-                i, off = AK.serve(fd, rx, n, i, off, *tables, self._tx, self.loss.rate)
-                if i >= n:
-                    break
             # a datagram for the machines (the compiled loop leaves these to the simulated loss here)
             size = min(int(rx.seg[i]), int(rx.length[i]) - off)
             if not self.loss.drop():
@@ -171,12 +186,25 @@ class AggregatorServer:
             off += int(rx.seg[i])
             if off >= rx.length[i]:         # (an empty datagram too: its seg is 0)
                 i, off = i + 1, 0
-        for job in self.service.jobs.values():
-            heard = job.machine.table.state
-            if heard[AK.HEARD]:
-                heard[AK.HEARD] = 0
-                job.last_heard = now
+            tables = self._fast_tables()
+            if tables is not None and i < n:
+                i, off = AK.serve(fd, rx, n, i, off, *tables, self._tx, self.loss.rate)
+        self._take_heard(now)
         self._send(self.service.datagrams_to_send(now))
+
+    def _take_heard(self, now: float) -> bool:
+        """Whether the compiled loop took DATA of any job since the last call (each such job was heard
+        from now, for its idle expiry)."""
+        heard = False
+        for job in self.service.jobs.values():
+            state = job.machine.table.state
+            if state[AK.HEARD]:
+                state[AK.HEARD] = 0
+                job.last_heard = now
+                heard = True
+        return heard
+
+    def _count_send_errors(self) -> None:
         errors = int(self._tx.state[T.SEND_ERRORS])
         if errors:
             self._tx.state[T.SEND_ERRORS] = 0

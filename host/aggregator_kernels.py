@@ -14,6 +14,7 @@ The slot registers carry the P4 program's names (REGISTERS), as columns of one i
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -406,6 +407,23 @@ def _run(t, k, fd, rx, n, i, off, job_ids, tx, loss):
         i += 1
         off = 0
     return i, off
+
+
+@njit(**JIT)
+def serve_until(fd, rx, job_ids, tables, tx, loss, deadline):
+    """serve() batch after batch, waiting on the socket in between, until a datagram needs Python or the
+    monotonic clock reaches `deadline`. Returns (n, i, off): the last batch and where Python goes on in
+    it (i == n: nothing is left for Python). Python's work per batch (the machines' timers, the stop
+    check) is thus paid per deadline, not per batch: at low rates a batch holds one or two datagrams."""
+    while True:
+        now = T.monotonic(rx.clock)
+        if now >= deadline:
+            return 0, 0, 0
+        n = T.receive(fd, rx, max(1, np.int64(min(200.0, math.ceil((deadline - now) * 1000.0)))))
+        if n:
+            i, off = serve(fd, rx, n, 0, 0, job_ids, tables, tx, loss)
+            if i < n:
+                return n, i, off
 
 
 @njit(**JIT)

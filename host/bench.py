@@ -399,12 +399,13 @@ def run_from_args(args) -> int:
             results["runs"].append(run_world(world, plan, args.aggregators, args.port,
                                              on_step=lambda: progress.advance(task)))
     if args.floor:
-        from .floor import run_floor
+        from .floor import read_floor, run_floor
         for run in results["runs"]:
             world = run["rows"][0]["workers"]
             floor = run_floor(world, plan["size"], plan["densities"], iters=plan["rounds"])
             for r in run["rows"]:
                 r["floor_s"], r["floor_gloo_s"] = floor[r["density"]]
+            run["read_floor_s"] = read_floor(world, plan["size"])
     console.print(bench_table(results))
     from .transport import detect
     import socket
@@ -416,6 +417,12 @@ def run_from_args(args) -> int:
                       + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
     console.print(window_summary(results))
     for run in results["runs"]:
+        if run.get("read_floor_s"):
+            world = run["rows"][0]["workers"]
+            console.print(f"{world} workers reading their tensors once, all at once: {run['read_floor_s']:.3f} s "
+                          f"({world * 4 * plan['size'] / run['read_floor_s'] / 1e9:.1f} GB/s), the least an "
+                          "allreduce of dense input takes at any density (finding the non-zero blocks reads "
+                          "every value)")
         for r in run["rows"]:
             if r.get("floor_s"):
                 console.print(f"{r['workers']} workers, density {r['density']:g}: ZeroSum "

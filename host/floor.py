@@ -164,6 +164,35 @@ def run_floor(world: int, size: int, densities, iters: int = 3, window: int = 64
     return {d: (max(res[r][d][0] for r in res), res[0][d][1]) for d in densities}
 
 
+def _read_once(size, iters, bar, q):
+    x = np.ones(size, np.float32)        # touched: real pages, not the shared zero page
+    words = x[: size - size % 2].view(np.uint64)
+    np.bitwise_or.reduce(words)
+    times = []
+    for _ in range(iters):
+        bar.wait()
+        t0 = time.perf_counter()
+        np.bitwise_or.reduce(words)      # an OR at memory speed: what finding the non-zero blocks must read
+        times.append(time.perf_counter() - t0)
+    q.put(times)
+
+
+def read_floor(world: int, size: int, iters: int = 5) -> float:
+    """Seconds for `world` processes to each read a float32 tensor of `size` once, all at the same time
+    (the slowest one, median over iters): the least an allreduce of dense input costs whatever its
+    density, since finding the non-zero blocks reads every value; on a machine where memory bandwidth is
+    shared by all ranks it bounds how fast a sparse allreduce of dense tensors can be."""
+    ctx = mp.get_context("spawn")
+    bar, q = ctx.Barrier(world), ctx.Queue()
+    ps = [ctx.Process(target=_read_once, args=(size, iters, bar, q)) for _ in range(world)]
+    for p in ps: p.start()
+    try:
+        runs = [q.get(timeout=600) for _ in ps]
+    finally:
+        for p in ps: p.join(10)
+    return float(np.median(np.max(np.array(runs), axis=0)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)

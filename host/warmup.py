@@ -64,7 +64,7 @@ def warm_up() -> None:
 
 
 def _warm_up_transport(B: int) -> None:
-    """The compiled driver loops (kernels.drive, aggregator_kernels.serve) over two loopback sockets, one
+    """The compiled driver loops (kernels.drive, aggregator_kernels.serve_until) over two loopback sockets, one
     tiny allreduce per dtype and result kind."""
     import socket
     import time
@@ -109,5 +109,5 @@ def _warm_up_transport(B: int) -> None:
                                              if collect else 0, n, i, off)
                 if outcome == K.DONE:
                     break
-                got = T.receive(a.fileno(), rx_a, 50)
-                AK.serve(a.fileno(), rx_a, got, 0, 0, job_ids, tables, tx_a, 0.0)
+                AK.serve_until(a.fileno(), rx_a, job_ids, tables, tx_a, 0.0, time.monotonic() + 0.05)
+        T.receive(a.fileno(), rx_a, 0)     # (the server's receive while no job is served)
