@@ -122,14 +122,15 @@ class AggregatorMachine:
 
     TAKES = frozenset((P.JOIN, P.DATA, P.LEAVE))   # R-V3 (STATS is the service's)
 
-    def receive(self, datagram, source, now: float) -> None:
-        """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10).
+    def receive(self, datagram, source, now: float, ce: bool = False) -> None:
+        """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10); `ce`:
+        it arrived with the ECN Congestion Experienced mark (R-E1).
         (`now` for the driver interface's sake: no rule of a job's aggregation depends on time.)"""
         reason, fields = P.check(datagram, self.TAKES)             # R-V1 ... R-V5
         if reason:
             self.count(reason)
             return
-        self.receive_checked(datagram, fields, source)
+        self.receive_checked(datagram, fields, source, ce)
 
     def datagrams_to_send(self, now: float, *, results: bool = True) -> list[tuple[list, bytes]]:
         """The replies queued since the last call, then the RESULTs of the rounds completed since.
@@ -145,7 +146,7 @@ class AggregatorMachine:
     def timer(self) -> float:
         return float("inf")
 
-    def receive_checked(self, datagram, fields: tuple, source) -> None:
+    def receive_checked(self, datagram, fields: tuple, source, ce: bool = False) -> None:
         """A datagram that passed protocol.check (an AggregatorService checks once for all its jobs)."""
         self.table.state[AK.USED] = 0
         _, ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = fields
@@ -172,7 +173,7 @@ class AggregatorMachine:
             self.count("drop_geometry")                            # R-V10
             return
         AK.handle_data(self.table, np.frombuffer(datagram, np.uint8), len(datagram), nent, epoch,
-                       tensor_blocks, rank)
+                       tensor_blocks, rank, ce)
         self._take(source)
 
     # -- membership ---------------------------------------------------------------------------------
