@@ -15,7 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import spec, wire
-from .spec import (AGGREGATOR_RANK, BOOT, DEFAULT_PORT, END, FEATURE_LEAVE, FEATURE_MULTICAST, HAS_DATA, INT_EXP, JOIN_MAC_SIZE,
+from .spec import (AGGREGATOR_RANK, BOOT, CONGESTION, DEFAULT_PORT, END, FEATURE_LEAVE, FEATURE_MULTICAST, HAS_DATA,
+                   INT_EXP, JOIN_MAC_SIZE,
                    MAX_DATAGRAM, MAX_WORLD, NO_EXP, REFUSED_CONFLICT, REFUSED_FULL, REFUSED_UNKNOWN_JOB,
                    VERSION)
 
