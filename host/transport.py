@@ -443,11 +443,14 @@ def enable_ecn(sock: socket.socket) -> None:
 ECN_ANCILLARY = socket.CMSG_SPACE(4)
 
 
+def tos_of(ancdata) -> int:
+    """The TOS byte recvmsg's control messages (Python's socket module has parsed them) report, or 0."""
+    return next((data[0] for level, kind, data in ancdata if level == SOL_IP and kind == IP_TOS and data), 0)
+
+
 def congestion_experienced(ancdata) -> bool:
-    """Whether recvmsg's control messages (Python's socket module has parsed them) say the datagram
-    arrived with the CE mark."""
-    return any(level == SOL_IP and kind == IP_TOS and data and (data[0] & ECN_MASK) == CE
-               for level, kind, data in ancdata)
+    """Whether the datagram of recvmsg's control messages arrived with the CE mark."""
+    return (tos_of(ancdata) & ECN_MASK) == CE
 
 
 def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
