@@ -278,6 +278,11 @@ class AllreduceMachine:
         return int(self.st.i[K.I_DELAY_CUTS]), int(self.st.i[K.I_LOSS_CUTS])
 
     @property
+    def ecn_marks(self) -> int:
+        """Datagrams that came with an ECN mark, echoed in the CONGESTION flag or their own CE (R-C6)."""
+        return int(self.st.i[K.I_MARKS])
+
+    @property
     def spurious_entries(self) -> int:
         """Resent entries that the aggregator answered with STATUS: it held them already (R-C4)."""
         return int(self.st.i[K.I_SPURIOUS])

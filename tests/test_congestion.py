@@ -192,13 +192,13 @@ def test_an_echoed_or_own_ecn_mark_cuts_by_half_once_per_epoch(flags, ce):
     """R-C6: a RESULT flagged CONGESTION (a contribution of its round was marked CE, R-E1), or one that
     itself arrived marked CE, is a verdict above the target: four marks per epoch, one cut per epoch."""
     m = _marked_epochs(flags, ce)
-    assert m.st.i[K.I_MARKS] == 12
+    assert m.ecn_marks == 12
     assert m.window_cuts == (3, 0) and m.cwnd == pytest.approx(40 * ENTRY * K.ECN_CUT ** 3)
 
 
 def test_without_marks_the_same_rounds_cut_nothing():
     m = _marked_epochs(0, False)
-    assert m.st.i[K.I_MARKS] == 0 and m.window_cuts == (0, 0) and m.cwnd >= 40 * ENTRY
+    assert m.ecn_marks == 0 and m.window_cuts == (0, 0) and m.cwnd >= 40 * ENTRY
 
 
 def test_a_mark_stops_growth_until_an_unmarked_epoch_and_a_loss_after_it_halves():
