@@ -46,7 +46,7 @@ RX_CTRL_WORDS = 8      # 64 bytes of control messages per buffer: UDP_GRO's and 
 GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of Linux 4.18..6.x
 GSO_MAX_BYTES = 65507  # a GSO message is one UDP payload before it is cut
 
-SOL_IP, IP_TOS, IP_RECVTOS = 0, 1, 13
+SOL_IP, IP_TOS, IP_RECVTOS = 0, 1, 13    # Linux's (the control messages the kernels parse)
 SOL_UDP = 17
 UDP_SEGMENT = 103
 UDP_GRO = 104
@@ -435,8 +435,9 @@ def enable_ecn(sock: socket.socket) -> None:
     """Send ECN-capable datagrams, ECT(0) with the DSCP bits zero, and be told the TOS byte of those that
     arrive (IP_RECVTOS: a control message with each), so that a Congestion Experienced mark a queue set
     on the way is seen (RFC 3168; docs/protocol.md, R-E1, R-C6)."""
-    sock.setsockopt(socket.IPPROTO_IP, IP_TOS, ECT0)
-    sock.setsockopt(socket.IPPROTO_IP, IP_RECVTOS, 1)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, ECT0)
+    if hasattr(socket, "IP_RECVTOS"):     # elsewhere no mark is seen, and none is acted on
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
 
 
 # Control-message room for recvmsg through Python's socket module (the path without batched I/O).
