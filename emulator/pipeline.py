@@ -4,9 +4,10 @@
 manager (multicast replication), egress, checksum update and deparser, and returns the frames sent as
 [(egress_port, bytes)]. The emulator sends every frame as soon as it is processed, so its egress queues
 are empty (enq_qdepth 0) unless whoever drives it says otherwise (`Switch.queued`: packets waiting at
-each port, e.g. a port driver that knows its backlog, or a test); the egress marks CE by that depth. The ingress runs the P4 program's stage controls in order, one method each with
-the same name (validate, admission, slot_state, accumulate, reply), citing the rules of
-docs/protocol.md as the P4 source does; read them side by side. Registers are numpy arrays named as the
+each port, e.g. a port driver that knows its backlog, or a test); the egress marks CE by that depth.
+The ingress runs the P4 program's stage controls in order, one method each with the same name
+(validate, admission, slot_state, accumulate, reply), citing the rules of docs/protocol.md as the P4
+source does; read them side by side. Registers are numpy arrays named as the
 P4 registers (the per-element `pool_vNN` registers are the columns of one 2-D array, so a block is read,
 added and written at once). The protocol's constants come from zerosum.spec, as the P4 program's do.
 """

@@ -279,8 +279,9 @@ def flush_results(t):
 @njit(inline="always", **JIT)
 def handle_data(t, b, n, nent, epoch, tensor_blocks, rank, ce):
     """A member's DATA datagram that passed R-V1 ... R-V10 up to its slots (`ce`: it arrived marked
-    Congestion Experienced): R-V10's slot rule, then R-A1 ... R-A7 and R-E1. Its replies (duplicates: STATUS; retransmissions: the shadow copy) go to the sender;
-    rounds of another allreduce that completed earlier are flushed first. Returns OK or the drop reason."""
+    Congestion Experienced): R-V10's slot rule, then R-A1 ... R-A7 and R-E1. Its replies (duplicates:
+    STATUS; retransmissions: the shadow copy) go to the sender; rounds of another allreduce that
+    completed earlier are flushed first. Returns OK or the drop reason."""
     if nent == 0:
         t.counters[C_DATAGRAMS] += 1
         return OK

@@ -16,7 +16,8 @@ the same table). Slot state is one int64 register array (slots x registers) with
 register names (aggregator_kernels.REGISTERS:
 slot_epoch, slot_block, slot_exp, bitmap, count, min_next, min_next_exp, has_data, and for idempotent
 retransmissions the previous round: prev_epoch, prev_block, prev_next, prev_exp, prev_next_exp,
-prev_has_data; and congestion, prev_congestion: a contribution arrived marked CE, R-E1), plus the running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
+prev_has_data; and congestion, prev_congestion: a contribution arrived marked CE, R-E1), plus the
+running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
 Counters are one int64 array indexed by COUNTERS (docs/protocol.md, "Counters").
 """
 from __future__ import annotations

@@ -30,8 +30,8 @@ from .spec import CE, ECN_MASK
 
 from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
                    H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,
-                   REPLY_FLAGS, check_entries, check_slots, congestion_marked, copy_swapped as _copy_swapped, get16, get32,
-                   put_entry, put_header, read_entry, swap32 as _swap)
+                   REPLY_FLAGS, check_entries, check_slots, congestion_marked, copy_swapped as _copy_swapped,
+                   get16, get32, put_entry, put_header, read_entry, swap32 as _swap)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -687,9 +687,10 @@ def on_spurious(st, entries, now):
 @njit(inline="always", **JIT)
 def receive_one(st, b, n, aggregator, now, ce):
     """One datagram from aggregator index `aggregator` (`ce`: it arrived marked Congestion Experienced):
-    the reply checks (a JOIN_ACK is a late answer to a join, harmless), then apply_datagram. Returns APPLIED, PROBE_OUT (applied, and a probe to that
-    aggregator is outstanding: the machine decides what the answer means), DROPPED (counted in drops),
-    or a VIOLATION_* (R-L4; the block in i[I_BAD_BLOCK])."""
+    the reply checks (a JOIN_ACK is a late answer to a join, harmless), then apply_datagram, then its
+    ECN mark (R-C6). Returns APPLIED, PROBE_OUT (applied, and a probe to that aggregator is outstanding:
+    the machine decides what the answer means), DROPPED (counted in drops), or a VIOLATION_* (R-L4; the
+    block in i[I_BAD_BLOCK])."""
     hdr = st.hdr
     if n < HDR:
         st.drops[D_SHORT] += 1
