@@ -56,6 +56,11 @@ def test_every_implementation_takes_the_format_from_the_spec():
     assert {k.lower(): int(v) for k, v in consts.items()} == layout.COUNTER_INDEX
     for name, value in spec.TYPES.items():
         assert f"const bit<8> T_{name} = {value};" in text
+    # the ECN flag and codepoints (R-E1), and the switch's marking threshold (switch_p4/layout.py)
+    assert f"const bit<16> CONGESTION = {spec.CONGESTION};" in text
+    for name in ("ECN_MASK", "NOT_ECT", "ECT0", "CE"):
+        assert f"const bit<8> {name} = {getattr(spec, name)};" in text
+    assert f"const bit<19> ECN_THRESHOLD = {layout.ECN_THRESHOLD};" in text
 
 
 def test_the_compiled_codec_reads_and_writes_what_the_spec_declares():
