@@ -2,9 +2,12 @@
 
 `Switch.process(frame, ingress_port)` runs one Ethernet frame through parser, ingress, the traffic
 manager (multicast replication), egress, checksum update and deparser, and returns the frames sent as
-[(egress_port, bytes)]. The ingress runs the P4 program's stage controls in order, one method each with
-the same name (validate, admission, slot_state, accumulate, reply), citing the rules of
-docs/protocol.md as the P4 source does; read them side by side. Registers are numpy arrays named as the
+[(egress_port, bytes)]. The emulator sends every frame as soon as it is processed, so its egress queues
+are empty (enq_qdepth 0) unless whoever drives it says otherwise (`Switch.queued`: packets waiting at
+each port, e.g. a port driver that knows its backlog, or a test); the egress marks CE by that depth.
+The ingress runs the P4 program's stage controls in order, one method each with the same name
+(validate, admission, slot_state, accumulate, reply), citing the rules of docs/protocol.md as the P4
+source does; read them side by side. Registers are numpy arrays named as the
 P4 registers (the per-element `pool_vNN` registers are the columns of one 2-D array, so a block is read,
 added and written at once). The protocol's constants come from zerosum.spec, as the P4 program's do.
 """
@@ -15,7 +18,8 @@ import threading
 import numpy as np
 
 from .. import spec
-from ..switch_p4.layout import (ACCUMULATE, ADMISSION, COUNTER_INDEX, EGRESS, ELEMENTS, INGRESS, JOB_STATS, JOBS,
+from ..switch_p4.layout import (ACCUMULATE, ADMISSION, COUNTER_INDEX, ECN_MARKING, ECN_THRESHOLD, EGRESS, ELEMENTS,
+                                INGRESS, JOB_STATS, JOBS,
                                 L2_FORWARD, MAX_JOBS, MAX_MEMBERS, MEMBERSHIP, POOL_SLOTS, PORT, SLOT_STATE,
                                 SWITCH_COUNTERS, WORKER_ADDRESS, ZEROSUM_SERVICE, ZEROSUM_STATS, element_names,
                                 job_stats_base)
@@ -27,7 +31,8 @@ DROP_PORT = 511          # v1model's drop port (mark_to_drop sets egress_spec to
 VERSION = spec.VERSION
 T_JOIN, T_JOIN_ACK, T_DATA, T_RESULT, T_STATUS, T_REFUSED = (spec.TYPES[t] for t in (
     "JOIN", "JOIN_ACK", "DATA", "RESULT", "STATUS", "REFUSED"))
-HAS_DATA, END, BOOT = spec.HAS_DATA, spec.END, spec.BOOT
+HAS_DATA, CONGESTION, END, BOOT = spec.HAS_DATA, spec.CONGESTION, spec.END, spec.BOOT
+ECN_MASK, NOT_ECT, ECT0, CE = spec.ECN_MASK, spec.NOT_ECT, spec.ECT0, spec.CE
 NO_EXP = spec.NO_EXP & 0xFFFF     # bit<16>
 AGGREGATOR_RANK = spec.AGGREGATOR_RANK
 HEADER_BYTES, ENTRY_BYTES = spec.PACKET_HEADER.size, spec.ENTRY_HEADER.size
@@ -70,16 +75,16 @@ class Metadata:
             "job_index", "world", "mcast_grp", "slot_base", "slots", "jobs_configured", "slots_in_use",
             "member_job", "member", "rank", "rank_bit", "generation", "joined",
             "slot", "add", "first_write", "pool_index", "read_result", "result_index", "reply",
-            "r_block", "r_next", "r_exp", "r_next_exp")
+            "r_block", "r_next", "r_exp", "r_next_exp", "r_congestion", "ecn_threshold")
     STANDARD = ("ingress_port", "egress_spec", "egress_port", "egress_rid", "standard_mcast_grp",
-                "parser_error", "packet_length")
+                "parser_error", "packet_length", "enq_qdepth")
     __slots__ = USER + STANDARD
 
     def __init__(self, ingress_port: int, packet_length: int):
         for name in self.USER:
             setattr(self, name, 0)
         self.ingress_port, self.packet_length = ingress_port, packet_length
-        self.egress_spec = self.egress_port = self.egress_rid = self.standard_mcast_grp = 0
+        self.egress_spec = self.egress_port = self.egress_rid = self.standard_mcast_grp = self.enq_qdepth = 0
         self.parser_error = NO_ERROR
 
     def copy(self) -> "Metadata":
@@ -103,7 +108,8 @@ class Registers:
         "bank": (POOL_SLOTS, np.uint8), "prev_epoch": (POOL_SLOTS, np.uint32),
         "prev_block": (POOL_SLOTS, np.uint32), "prev_next": (POOL_SLOTS, np.uint32),
         "prev_exp": (POOL_SLOTS, np.uint16), "prev_next_exp": (POOL_SLOTS, np.uint16),
-        "prev_has_data": (POOL_SLOTS, np.uint8),
+        "prev_has_data": (POOL_SLOTS, np.uint8), "congestion": (POOL_SLOTS, np.uint8),
+        "prev_congestion": (POOL_SLOTS, np.uint8),
     }
     WIDTHS = {np.uint32: 32, np.uint16: 16, np.uint8: 1}
 
@@ -149,6 +155,8 @@ def _tables() -> dict[str, Table]:
               {EGRESS + "set_worker": spec_(EGRESS + "set_worker", ("mac", 48), ("ip", 32), ("port", 16)),
                **no_action},
               ("NoAction", {}), MAX_MEMBERS),
+        Table(ECN_MARKING, (), {EGRESS + "mark_above": spec_(EGRESS + "mark_above", ("depth", 19))},
+              (EGRESS + "mark_above", {"depth": ECN_THRESHOLD}), 1024),
     )}
 
 
@@ -161,6 +169,7 @@ class Switch:
         self.counters = {ZEROSUM_STATS: Counter(ZEROSUM_STATS, N_COUNTERS),
                          JOB_STATS: Counter(JOB_STATS, (MAX_JOBS + 1) * N_COUNTERS)}
         self.pre = ReplicationEngine()
+        self.queued: dict[int, int] = {}   # packets waiting at each egress port (none: frames leave at once)
         self.lock = threading.Lock()   # packets and control-plane writes never interleave mid-packet
 
     @property
@@ -186,6 +195,7 @@ class Switch:
             for egress_port, rid, h in self.traffic_manager(hdr, meta):
                 m = meta.copy()    # v1model copies the user metadata to every replica
                 m.egress_port, m.egress_rid, m.egress_spec = egress_port, rid, egress_port
+                m.enq_qdepth = self.queued.get(egress_port, 0)
                 if self.egress(h, m):
                     self.compute_checksum(h, m)
                     out.append((egress_port, self.deparser(h) + payload))
@@ -390,6 +400,7 @@ class Switch:
         r.bitmap[s] = r.count[s] = 0
         r.min_next[s], r.min_next_exp[s] = END, NO_EXP
         r.has_data[s] = 0
+        r.congestion[s] = 0
 
     def slot_state(self, hdr: Headers, meta: Metadata) -> None:
         z, ent, r = hdr.zerosum, hdr.entry, self.registers
@@ -410,11 +421,14 @@ class Switch:
 
         heard = int(r.bitmap[s])
         b = int(r.bank[s])
+        s_cong = int(r.congestion[s])
         current = s_gen == gen and s_epoch == epoch and block == s_block
         if current and (heard & meta.rank_bit) != 0:
             # R-A2: a duplicate is not added again; the sender learns which ranks the round has heard.
             meta.outcome, meta.reply = C["duplicates"], REPLY_STATUS
             meta.r_block, meta.r_next, meta.r_exp, meta.r_next_exp = s_block, heard, NO_EXP, NO_EXP
+            if s_cong == 1:
+                meta.r_congestion = CONGESTION
             return
         if not current:
             if s_gen != gen or int(r.prev_epoch[s]) != epoch or int(r.prev_block[s]) != block:
@@ -425,6 +439,8 @@ class Switch:
             meta.r_block, meta.r_next = block, int(r.prev_next[s])
             meta.r_exp, meta.r_next_exp = int(r.prev_exp[s]), int(r.prev_next_exp[s])
             meta.read_result = int(r.prev_has_data[s])
+            if r.prev_congestion[s] == 1:
+                meta.r_congestion = CONGESTION                      # R-E1: as the round's first RESULT
             meta.result_index = 2 * s + (b ^ 1)
             return
 
@@ -441,6 +457,9 @@ class Switch:
             r.has_data[s] = 1
         heard |= meta.rank_bit
         r.bitmap[s] = heard
+        if (hdr.ipv4.diffserv & ECN_MASK) == CE:
+            s_cong = 1                                              # R-E1: the round's RESULT echoes the mark
+            r.congestion[s] = 1
         n = int(r.count[s]) + 1
         r.count[s] = n
         m, m_exp = int(r.min_next[s]), int(r.min_next_exp[s])
@@ -456,6 +475,8 @@ class Switch:
         meta.outcome = C["rounds"]
         r.prev_epoch[s], r.prev_block[s], r.prev_next[s] = s_epoch, s_block, m
         r.prev_exp[s], r.prev_next_exp[s], r.prev_has_data[s] = s_exp, m_exp, s_has
+        r.prev_congestion[s] = s_cong
+        r.congestion[s] = 0
         r.bank[s] = b ^ 1
         r.slot_block[s], r.slot_exp[s] = m, m_exp
         r.bitmap[s] = r.count[s] = 0
@@ -464,6 +485,8 @@ class Switch:
         meta.reply = REPLY_RESULT
         meta.r_block, meta.r_next, meta.r_exp, meta.r_next_exp = s_block, m, s_exp, m_exp
         meta.read_result, meta.result_index = s_has, 2 * s + b
+        if s_cong == 1:
+            meta.r_congestion = CONGESTION
 
     # == Accumulate: the value registers ===============================================================
     def accumulate(self, hdr: Headers, meta: Metadata) -> None:
@@ -494,6 +517,8 @@ class Switch:
         meta.standard_mcast_grp = meta.mcast_grp
 
     def set_lengths(self, hdr: Headers, meta: Metadata, payload: int) -> None:
+        """Sizes of the answer; sent ECT(0), as a software aggregator's (a CE mark is in the flag)."""
+        hdr.ipv4.diffserv = (hdr.ipv4.diffserv & ~ECN_MASK & 0xFF) | ECT0
         hdr.udp.length = UDP_BYTES + payload
         hdr.udp.checksum = 0
         hdr.ipv4.totalLen = IPV4_BYTES + UDP_BYTES + payload
@@ -530,10 +555,10 @@ class Switch:
             else:
                 self.to_sender(hdr, meta)
             if meta.read_result == 1:
-                ent.flags = HAS_DATA
+                ent.flags = HAS_DATA | meta.r_congestion
                 self.set_lengths(hdr, meta, HEADER_BYTES + ENTRY_BYTES + (ELEMENTS << 2))
             else:
-                ent.flags = 0
+                ent.flags = meta.r_congestion
                 hdr.data = None
                 self.set_lengths(hdr, meta, HEADER_BYTES + ENTRY_BYTES)
 
@@ -554,7 +579,26 @@ class Switch:
             self.apply_table(WORKER_ADDRESS, (meta.egress_rid,), hdr, meta)
         elif meta.standard_mcast_grp != 0 and meta.egress_port == meta.ingress_port:
             return False   # a flooded frame does not go back where it came from
+        self.apply_table(ECN_MARKING, (), hdr, meta)
+        ecn = hdr.ipv4.diffserv & ECN_MASK if hdr.ipv4 is not None else NOT_ECT
+        if ecn != NOT_ECT and ecn != CE and meta.enq_qdepth >= meta.ecn_threshold:
+            self.mark_ce(hdr)
         return True
+
+    def action_mark_above(self, hdr, meta, depth):
+        meta.ecn_threshold = depth
+
+    def mark_ce(self, hdr: Headers) -> None:
+        """CE on an ECN-capable packet (RFC 3168, section 5), the checksum updated incrementally (RFC 1624,
+        eqn. 3): a forwarded header with options stays right, a bad one stays bad."""
+        ip = hdr.ipv4
+        before = (ip.version << 12) | (ip.ihl << 8) | ip.diffserv
+        ip.diffserv |= CE
+        after = before | CE
+        total = (~ip.hdrChecksum & 0xFFFF) + (~before & 0xFFFF) + after
+        total = (total & 0xFFFF) + (total >> 16)
+        total = (total & 0xFFFF) + (total >> 16)
+        ip.hdrChecksum = ~total & 0xFFFF
 
     def action_set_worker(self, hdr, meta, mac, ip, port):
         hdr.ethernet.dstAddr, hdr.ipv4.dstAddr, hdr.udp.dstPort = mac, ip, port

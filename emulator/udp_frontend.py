@@ -3,7 +3,9 @@
 Every datagram received on the socket becomes the Ethernet/IPv4/UDP frame a switch port would see
 (source = the datagram's source address, destination = the switch's service address), goes through the
 same pipeline, and every frame the pipeline sends is handed back to the kernel as a datagram to the
-frame's IPv4/UDP destination. So a host runtime talks to it exactly as to the P4 switch.
+frame's IPv4/UDP destination. So a host runtime talks to it exactly as to the P4 switch. The frame carries
+the datagram's TOS byte (IP_RECVTOS), so a CE mark on the way in is echoed as the switch echoes it; what
+it sends leaves ECT(0), as from a software aggregator (its own ECN marks need a queue it does not have).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import select
 import socket
 import struct
 
+from .. import transport as T
 from ..protocol import MAX_DATAGRAM
 from ..udp import LossHook, open_socket
 from .headers import IPv4
@@ -28,9 +31,9 @@ def ip_int(ip: str) -> int:
     return struct.unpack("!I", socket.inet_aton(ip))[0]
 
 
-def frame_for(payload, src: tuple[str, int], dst: tuple[str, int], dst_mac: int = 0) -> bytes:
+def frame_for(payload, src: tuple[str, int], dst: tuple[str, int], dst_mac: int = 0, tos: int = 0) -> bytes:
     """The frame a host at `src` sends to `dst` for this UDP payload (UDP checksum 0: none, as allowed)."""
-    ip = IPv4(4, 5, 0, 20 + 8 + len(payload), 0, 0b010, 0, 64, 17, 0, ip_int(src[0]), ip_int(dst[0]))
+    ip = IPv4(4, 5, tos, 20 + 8 + len(payload), 0, 0b010, 0, 64, 17, 0, ip_int(src[0]), ip_int(dst[0]))
     ip.hdrChecksum = ip.checksum()
     return (_ETH.pack(dst_mac.to_bytes(6, "big"), bytes(6), 0x0800) + ip.emit()
             + _UDP.pack(src[1], dst[1], 8 + len(payload), 0) + bytes(payload))
@@ -51,6 +54,7 @@ class UdpFrontend:
         self.loss = LossHook(loss, seed)   # simulated ingress loss: these datagrams are the incoming frames
         self.listen = listen
         self.sock, _ = open_socket(listen, rcvbuf=32 << 20, sndbuf=32 << 20)
+        T.enable_ecn(self.sock)
         self.address = self.sock.getsockname()
         # The frames carry the switch's service address; the socket's own port may differ (tests run
         # several switches side by side), which the workers never see: replies leave from the socket.
@@ -58,11 +62,11 @@ class UdpFrontend:
         self.buf = bytearray(MAX_DATAGRAM + 1)
         self.frames_in = self.frames_out = self.send_errors = 0
 
-    def handle(self, payload, source: tuple[str, int]) -> None:
+    def handle(self, payload, source: tuple[str, int], tos: int = 0) -> None:
         self.frames_in += 1
         if self.loss.drop():
             return
-        for _port, frame in self.switch.process(frame_for(payload, source, self.service), UDP_PORT_INDEX):
+        for _port, frame in self.switch.process(frame_for(payload, source, self.service, tos=tos), UDP_PORT_INDEX):
             out = datagram_of(frame)
             if out is None:
                 continue
@@ -80,12 +84,12 @@ class UdpFrontend:
         mv, handled = memoryview(self.buf), 0
         while True:
             try:
-                n, source = self.sock.recvfrom_into(self.buf, len(self.buf), socket.MSG_DONTWAIT)
+                n, ancdata, _, source = self.sock.recvmsg_into([self.buf], T.ECN_ANCILLARY, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return handled
             except ConnectionRefusedError:
                 continue
-            self.handle(mv[:n], source)
+            self.handle(mv[:n], source, T.tos_of(ancdata))
             handled += 1
 
     def serve(self, duration: float | None = None, idle_exit: float | None = None, stop=None) -> None:

@@ -149,13 +149,13 @@ class AggregatorServer:
         completed rounds once nothing more is queued."""
         self.sock.settimeout(0.0 if self.service.has_output else 0.2)
         try:
-            n, addr = self.sock.recvfrom_into(buf)
+            n, ancdata, _, addr = self.sock.recvmsg_into([buf], T.ECN_ANCILLARY)
         except (socket.timeout, BlockingIOError, ConnectionRefusedError):
             self._send(self.service.datagrams_to_send(time.monotonic()))
             return 0
         if not self.loss.drop():
             now = time.monotonic()
-            self.service.receive(memoryview(buf)[:n], addr, now)
+            self.service.receive(memoryview(buf)[:n], addr, now, T.congestion_experienced(ancdata))
             self._send(self.service.datagrams_to_send(now, results=False))
         self._backlog += 1
         if self._backlog >= 16:     # a busy socket is never empty: send at least every 16 datagrams
@@ -182,7 +182,8 @@ class AggregatorServer:
             size = min(int(rx.seg[i]), int(rx.length[i]) - off)
             if not self.loss.drop():
                 data = bytes(rx.buf[i, off:off + size])
-                self.service.receive(data, T.address_of(int(rx.source[i])), now)
+                self.service.receive(data, T.address_of(int(rx.source[i])), now,
+                                     (int(rx.tos[i]) & T.ECN_MASK) == T.CE)
             off += int(rx.seg[i])
             if off >= rx.length[i]:         # (an empty datagram too: its seg is 0)
                 i, off = i + 1, 0

@@ -22,21 +22,24 @@ from numba import njit
 
 from . import spec
 from . import transport as T
+from .transport import CE, ECN_MASK
 from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_REASONS, END, ENT, H_BLOCK_SIZE, H_EPOCH,
                    H_ENTRIES, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, H_WORLD, HAS_DATA, HDR,
-                   JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, check_entries, check_slots,
+                   JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, CONGESTION, DATA_FLAGS, check_entries,
+                   check_slots,
                    copy_swapped, get16, get32, put_entry, put_header, read_entry, swap32)
 
 # Slot registers: columns of the `regs` array (the P4 program's register names).
 (SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,
- PREV_EPOCH, PREV_BLOCK, PREV_NEXT, PREV_EXP, PREV_NEXT_EXP, PREV_HAS_DATA, PENDING) = range(16)
+ PREV_EPOCH, PREV_BLOCK, PREV_NEXT, PREV_EXP, PREV_NEXT_EXP, PREV_HAS_DATA, PENDING, CONGESTION_REG,
+ PREV_CONGESTION) = range(18)
 REGISTERS = ("slot_epoch", "slot_block", "slot_exp", "slot_tensor_blocks", "bitmap", "count", "min_next",
              "min_next_exp", "has_data", "prev_epoch", "prev_block", "prev_next", "prev_exp", "prev_next_exp",
-             "prev_has_data", "pending")
+             "prev_has_data", "pending", "congestion", "prev_congestion")
 # slot_epoch -1: a slot no BOOT of this run has started (no 32-bit epoch equals it), so the run's first
 # BOOT starts it whatever its epoch, as a new generation does on the switch (R-A1).
 REGISTER_RESET = (-1, spec.END, spec.NO_EXP, 0, 0, 0, spec.END, spec.NO_EXP, 0, 0, spec.END, spec.END,
-                  spec.NO_EXP, spec.NO_EXP, 0, 0)
+                  spec.NO_EXP, spec.NO_EXP, 0, 0, 0, 0)
 
 # counters[] indices (spec.COUNTERS order) that the data path counts
 _C = spec.COUNTER_INDEX
@@ -54,7 +57,7 @@ DONE, DUPS, RETX, STALE, MISMATCH, ROUNDS = range(6)
 
 class SlotTable(NamedTuple):
     """One job's aggregation state, as the kernels see it (AggregatorMachine owns it)."""
-    regs: np.ndarray        # int64 [slots, 16]: the slot registers
+    regs: np.ndarray        # int64 [slots, 18]: the slot registers
     acc: np.ndarray         # int32 [slots, block_size]: running sums
     shadow: np.ndarray      # int32 [slots, block_size]: the previous round's result (R-A3)
     geometry: np.ndarray    # int64 [5]: job, world, block_size, max_datagram, multicast group (key, -1: none)
@@ -113,8 +116,9 @@ def _add_swapped(words, at, acc, s):
 
 @njit(inline="always", **JIT)
 def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, acc, shadow, seen, stamp,
-               done, counts, replies):
-    """One DATA datagram from a member: validate it, then add its entries to their slots.
+               done, counts, replies, ce):
+    """One DATA datagram from a member: validate it, then add its entries to their slots; `ce`: it
+    arrived with an ECN Congestion Experienced mark, which the rounds it adds to echo (R-E1).
 
     Completed rounds become the shadow copy and their slots are appended to `done` (counts[DONE] of
     them; a slot is listed once until the next flush). Duplicates of the current round (answered with
@@ -145,6 +149,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
             regs[s, COUNT] = 0
             regs[s, MIN_NEXT] = END
             regs[s, MIN_NEXT_EXP] = NO_EXP
+            regs[s, CONGESTION_REG] = 0
             if regs[s, HAS_DATA_REG]:    # an abandoned round left a partial sum behind
                 for v in range(block_size):
                     acc[s, v] = 0
@@ -164,6 +169,8 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 regs[s, HAS_DATA_REG] = 1
             regs[s, BITMAP] |= bit
             regs[s, COUNT] += 1
+            if ce:
+                regs[s, CONGESTION_REG] = 1           # R-E1: the round's RESULT echoes the mark
             if nxt < regs[s, MIN_NEXT]:
                 regs[s, MIN_NEXT] = nxt
                 regs[s, MIN_NEXT_EXP] = nexp
@@ -181,6 +188,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 regs[s, PREV_EXP] = regs[s, SLOT_EXP]
                 regs[s, PREV_NEXT_EXP] = regs[s, MIN_NEXT_EXP]
                 regs[s, PREV_HAS_DATA] = regs[s, HAS_DATA_REG]
+                regs[s, PREV_CONGESTION] = regs[s, CONGESTION_REG]
                 regs[s, SLOT_BLOCK] = regs[s, MIN_NEXT]
                 regs[s, SLOT_EXP] = regs[s, MIN_NEXT_EXP]
                 regs[s, BITMAP] = 0
@@ -188,6 +196,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 regs[s, MIN_NEXT] = END
                 regs[s, MIN_NEXT_EXP] = NO_EXP
                 regs[s, HAS_DATA_REG] = 0
+                regs[s, CONGESTION_REG] = 0
                 counts[ROUNDS] += 1
                 if not regs[s, PENDING]:
                     regs[s, PENDING] = 1
@@ -208,8 +217,9 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
 def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
     """RESULT datagrams of the slots' previous rounds (from the shadow copy), or with `status`, STATUS
     datagrams of their current rounds (`next` = bitmap of the ranks heard), appended to t.wire and
-    listed in t.cuts. Cut by bytes (geometry's max_datagram): a result may need more datagrams than
-    the contribution that completed it."""
+    listed in t.cuts; each entry flagged CONGESTION when its round heard a CE mark (R-E1: a resent
+    RESULT carries the flag of the first). Cut by bytes (geometry's max_datagram): a result may need
+    more datagrams than the contribution that completed it."""
     job, world, B, max_bytes = t.geometry[0], t.geometry[1], t.geometry[2], t.geometry[3]
     out, regs, shadow = t.wire, t.regs, t.shadow
     out32 = out.view(np.uint32)       # datagrams are 4-aligned in wire: data words written in place
@@ -234,11 +244,12 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
         for k in range(i, j):
             s = slots[k]
             if status:
-                put_entry(out, e, s, 0, regs[s, SLOT_BLOCK], regs[s, BITMAP], NO_EXP, NO_EXP)
+                put_entry(out, e, s, CONGESTION if regs[s, CONGESTION_REG] else 0, regs[s, SLOT_BLOCK],
+                          regs[s, BITMAP], NO_EXP, NO_EXP)
             else:
                 has = regs[s, PREV_HAS_DATA] != 0
-                put_entry(out, e, s, HAS_DATA if has else 0, regs[s, PREV_BLOCK], regs[s, PREV_NEXT],
-                          regs[s, PREV_EXP],
+                flags = (HAS_DATA if has else 0) | (CONGESTION if regs[s, PREV_CONGESTION] else 0)
+                put_entry(out, e, s, flags, regs[s, PREV_BLOCK], regs[s, PREV_NEXT], regs[s, PREV_EXP],
                           regs[s, PREV_NEXT_EXP])
                 if has:
                     copy_swapped(shadow[s], 0, B, out32[d // 4: d // 4 + B])   # a view: see _add_swapped
@@ -267,10 +278,11 @@ def flush_results(t):
 
 
 @njit(inline="always", **JIT)
-def handle_data(t, b, n, nent, epoch, tensor_blocks, rank):
-    """A member's DATA datagram that passed R-V1 ... R-V10 up to its slots: R-V10's slot rule, then
-    R-A1 ... R-A7. Its replies (duplicates: STATUS; retransmissions: the shadow copy) go to the sender;
-    rounds of another allreduce that completed earlier are flushed first. Returns OK or the drop reason."""
+def handle_data(t, b, n, nent, epoch, tensor_blocks, rank, ce):
+    """A member's DATA datagram that passed R-V1 ... R-V10 up to its slots (`ce`: it arrived marked
+    Congestion Experienced): R-V10's slot rule, then R-A1 ... R-A7 and R-E1. Its replies (duplicates:
+    STATUS; retransmissions: the shadow copy) go to the sender; rounds of another allreduce that
+    completed earlier are flushed first. Returns OK or the drop reason."""
     if nent == 0:
         t.counters[C_DATAGRAMS] += 1
         return OK
@@ -282,7 +294,7 @@ def handle_data(t, b, n, nent, epoch, tensor_blocks, rank):
     state[STAMP] += 1
     world, B = t.geometry[1], t.geometry[2]
     reason = contribute(b, n, nent, epoch, tensor_blocks, rank, world, B, t.regs, t.acc, t.shadow, t.seen,
-                        state[STAMP], t.done, counts, t.replies)
+                        state[STAMP], t.done, counts, t.replies, ce)
     if reason != OK:
         t.counters[REASON_COUNTER[reason]] += 1
         return reason
@@ -325,7 +337,8 @@ def _fast(t, b, size, source):
         return False
     if get16(b, H_WORLD) != t.geometry[1] or get16(b, H_BLOCK_SIZE) != t.geometry[2]:
         return False
-    reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True)
+    reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True,
+                              DATA_FLAGS)
     return reason == OK
 
 
@@ -400,7 +413,7 @@ def _run(t, k, fd, rx, n, i, off, job_ids, tx, loss):
                 continue
             _room(t, fd, tx)
             handle_data(t, b, size, get16(b, H_ENTRIES), get32(b, H_EPOCH), get32(b, H_TENSOR_BLOCKS),
-                        get16(b, H_RANK))
+                        get16(b, H_RANK), (rx.tos[i] & ECN_MASK) == CE)
             t.state[HEARD] = 1
             _drain(t, fd, tx, source, loss)
             off += seg

@@ -16,7 +16,8 @@ the same table). Slot state is one int64 register array (slots x registers) with
 register names (aggregator_kernels.REGISTERS:
 slot_epoch, slot_block, slot_exp, bitmap, count, min_next, min_next_exp, has_data, and for idempotent
 retransmissions the previous round: prev_epoch, prev_block, prev_next, prev_exp, prev_next_exp,
-prev_has_data), plus the running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
+prev_has_data; and congestion, prev_congestion: a contribution arrived marked CE, R-E1), plus the
+running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
 Counters are one int64 array indexed by COUNTERS (docs/protocol.md, "Counters").
 """
 from __future__ import annotations
@@ -122,14 +123,15 @@ class AggregatorMachine:
 
     TAKES = frozenset((P.JOIN, P.DATA, P.LEAVE))   # R-V3 (STATS is the service's)
 
-    def receive(self, datagram, source, now: float) -> None:
-        """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10).
+    def receive(self, datagram, source, now: float, ce: bool = False) -> None:
+        """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10); `ce`:
+        it arrived with the ECN Congestion Experienced mark (R-E1).
         (`now` for the driver interface's sake: no rule of a job's aggregation depends on time.)"""
         reason, fields = P.check(datagram, self.TAKES)             # R-V1 ... R-V5
         if reason:
             self.count(reason)
             return
-        self.receive_checked(datagram, fields, source)
+        self.receive_checked(datagram, fields, source, ce)
 
     def datagrams_to_send(self, now: float, *, results: bool = True) -> list[tuple[list, bytes]]:
         """The replies queued since the last call, then the RESULTs of the rounds completed since.
@@ -145,7 +147,7 @@ class AggregatorMachine:
     def timer(self) -> float:
         return float("inf")
 
-    def receive_checked(self, datagram, fields: tuple, source) -> None:
+    def receive_checked(self, datagram, fields: tuple, source, ce: bool = False) -> None:
         """A datagram that passed protocol.check (an AggregatorService checks once for all its jobs)."""
         self.table.state[AK.USED] = 0
         _, ptype, job, rank, world, epoch, tensor_blocks, block_size, nent = fields
@@ -172,7 +174,7 @@ class AggregatorMachine:
             self.count("drop_geometry")                            # R-V10
             return
         AK.handle_data(self.table, np.frombuffer(datagram, np.uint8), len(datagram), nent, epoch,
-                       tensor_blocks, rank)
+                       tensor_blocks, rank, ce)
         self._take(source)
 
     # -- membership ---------------------------------------------------------------------------------

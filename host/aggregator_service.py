@@ -123,9 +123,10 @@ class AggregatorService:
                                     "counters": dict(j.machine.counters)} for job, j in self.jobs.items()}}
 
     # -- events -------------------------------------------------------------------------------------
-    def receive(self, datagram, source, now: float) -> None:
+    def receive(self, datagram, source, now: float, ce: bool = False) -> None:
         """One datagram, validated in the order of docs/protocol.md "Validation" (R-V1 ... R-V10): the
-        stateless rules and admission here, once for all jobs, the rest by the job's machine."""
+        stateless rules and admission here, once for all jobs, the rest by the job's machine (`ce`: it
+        arrived marked Congestion Experienced, R-E1)."""
         reason, fields = P.check(datagram, P.AGGREGATOR_TAKES)     # R-V1 ... R-V5
         if reason:
             self._drops[reason] += 1
@@ -149,7 +150,7 @@ class AggregatorService:
                 return
         counts = job.machine.counters.array
         accepted = counts[_DATAGRAMS] + counts[_JOINS] + counts[_LEAVES]   # scalars: a hot path
-        job.machine.receive_checked(datagram, fields, source)
+        job.machine.receive_checked(datagram, fields, source, ce)
         if counts[_DATAGRAMS] + counts[_JOINS] + counts[_LEAVES] != accepted:
             job.last_heard = now      # only a member's traffic keeps a job alive, not drops
             if ptype == P.JOIN and job.machine.state.joined_bitmap == (1 << job.machine.state.world) - 1:

@@ -26,11 +26,12 @@ from numba import njit
 
 from . import protocol as P
 from . import transport as T
+from .spec import CE, ECN_MASK
 
 from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
                    H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,
-                   check_entries, check_slots, copy_swapped as _copy_swapped, get16, get32,
-                   put_entry, put_header, read_entry, swap32 as _swap)
+                   REPLY_FLAGS, check_entries, check_slots, congestion_marked, copy_swapped as _copy_swapped,
+                   get16, get32, put_entry, put_header, read_entry, swap32 as _swap)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     is_int, precision, divisor = st.i[I_IS_INT] != 0, st.i[I_PRECISION], np.float32(st.f[F_DIVISOR])
     out_values, out_n, collect = st.values, st.values.size, st.i[I_COLLECT] != 0
     B = hdr[5]
-    reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS)
+    reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS, REPLY_FLAGS)
     if reason == OK:
         reason = check_slots(b, nent, st.slots_used[aggregator], st.seen, st.i[I_STAMP])
     if reason != OK:
@@ -494,7 +495,9 @@ class WorkerState(NamedTuple):
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
- I_REO_CLEAN, I_SPURIOUS) = range(25)
+ I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED) = range(28)
+# I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
+# measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -535,6 +538,7 @@ DELAY_GAIN = 0.8        # R-C3: the cut per unit of relative excess delay (Swift
 MAX_DELAY_CUT = 0.5     # R-C3: at most half the window per round trip
 LOSS_CUT = 0.5          # R-C4: a loss behind a queue
 RANDOM_LOSS_CUT = 0.8   # R-C4: a loss with no queue to speak of (TCP Veno, JSAC 2003, section II.B: 4/5)
+ECN_CUT = 0.5           # R-C6: an epoch with an ECN mark (RFC 3168, section 6.1.2: as a loss, by half)
 MAX_REORDER_MULT = 16   # R-C4: the reordering window grows to at most 16x (RFC 8985, section 6.2.4)
 REORDER_RESET = 16      # R-C4: back to 1x after this many loss detections without a spurious one
 
@@ -570,13 +574,28 @@ def end_epoch(st, now):
     f[F_EPOCH_MIN] = np.inf
     if not np.isfinite(rtt):
         return
+    # R-C6: an ECN mark in the epoch is a verdict above the target, whatever the delay: a queue on the
+    # path passed a switch's threshold (ATP, NSDI'21). Judged here, once per epoch, so that a burst of
+    # marks costs one cut.
+    marked = i[I_EPOCH_MARKED] != 0
+    i[I_EPOCH_MARKED] = 0
+    i[I_MARKED] = marked
     f[F_QUEUE] = rtt - f[F_MIN_RTT]
     excess = f[F_QUEUE] - f[F_TARGET]
-    if excess > -0.5 * f[F_TARGET] and f[F_CWND] < f[F_SSTHRESH]:
+    if (marked or excess > -0.5 * f[F_TARGET]) and f[F_CWND] < f[F_SSTHRESH]:
         f[F_SSTHRESH] = f[F_CWND]   # the queue grows: leave slow start before it overshoots (HyStart)
-    if excess > 0.0 and now >= f[F_NEXT_CUT]:
+    if (marked or excess > 0.0) and now >= f[F_NEXT_CUT]:
         i[I_DELAY_CUTS] += 1
-        cut_window(st, max(1.0 - DELAY_GAIN * excess / rtt, 1.0 - MAX_DELAY_CUT), now)
+        factor = max(1.0 - DELAY_GAIN * excess / rtt, 1.0 - MAX_DELAY_CUT) if excess > 0.0 else 1.0
+        cut_window(st, min(factor, ECN_CUT) if marked else factor, now)
+
+
+@njit(**JIT)
+def on_mark(st):
+    """R-C6: a RESULT or STATUS came with the CONGESTION flag (a contribution of its round was marked
+    on the way to the aggregator, R-E1) or itself arrived marked CE: noted for the epoch's verdict."""
+    st.i[I_MARKS] += 1
+    st.i[I_EPOCH_MARKED] = 1
 
 
 @njit(inline="always", **JIT)
@@ -593,7 +612,7 @@ def on_rounds(st, acked, rtt, now, sent):
         f[F_EPOCH_MIN] = min(f[F_EPOCH_MIN], rtt)
         if sent >= f[F_EPOCH_START]:
             end_epoch(st, now)
-    if f[F_QUEUE] > f[F_TARGET]:
+    if f[F_QUEUE] > f[F_TARGET] or st.i[I_MARKED]:
         return                      # above the target: no growth until an epoch says otherwise
     if i[I_ADMITTED] >= st.round_block.shape[0]:
         return                      # every column is admitted: the window is not what limits
@@ -640,7 +659,7 @@ def on_loss(st, now):
     would otherwise hold the window at a few entries)."""
     if st.i[I_CONGESTION] and now >= st.f[F_NEXT_CUT]:
         st.i[I_LOSS_CUTS] += 1
-        queued = st.f[F_QUEUE] >= 0.5 * st.f[F_TARGET]
+        queued = st.f[F_QUEUE] >= 0.5 * st.f[F_TARGET] or st.i[I_MARKED] != 0
         prior_cwnd, prior_ssthresh = st.f[F_CWND], st.f[F_SSTHRESH]
         cut_window(st, LOSS_CUT if queued else RANDOM_LOSS_CUT, now)
         st.f[F_PRIOR_CWND], st.f[F_PRIOR_SSTHRESH] = prior_cwnd, prior_ssthresh
@@ -670,11 +689,12 @@ def on_spurious(st, entries, now):
 
 
 @njit(inline="always", **JIT)
-def receive_one(st, b, n, aggregator, now):
-    """One datagram from aggregator index `aggregator`: the reply checks (a JOIN_ACK is a late answer to
-    a join, harmless), then apply_datagram. Returns APPLIED, PROBE_OUT (applied, and a probe to that
-    aggregator is outstanding: the machine decides what the answer means), DROPPED (counted in drops),
-    or a VIOLATION_* (R-L4; the block in i[I_BAD_BLOCK])."""
+def receive_one(st, b, n, aggregator, now, ce):
+    """One datagram from aggregator index `aggregator` (`ce`: it arrived marked Congestion Experienced):
+    the reply checks (a JOIN_ACK is a late answer to a join, harmless), then apply_datagram, then its
+    ECN mark (R-C6). Returns APPLIED, PROBE_OUT (applied, and a probe to that aggregator is outstanding:
+    the machine decides what the answer means), DROPPED (counted in drops), or a VIOLATION_* (R-L4; the
+    block in i[I_BAD_BLOCK])."""
     hdr = st.hdr
     if n < HDR:
         st.drops[D_SHORT] += 1
@@ -716,6 +736,8 @@ def receive_one(st, b, n, aggregator, now):
         st.i[I_BAD_BLOCK] = block
         return code                                   # R-L4
     st.last_heard[aggregator] = now
+    if ce or congestion_marked(b, nent):
+        on_mark(st)                                   # R-C6 (before on_rounds: this round's verdict sees it)
     if st.counts[7]:
         on_spurious(st, st.counts[7], now)
         st.counts[7] = 0
@@ -843,7 +865,8 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                 if a < 0:
                     st.drops[D_UNKNOWN_SOURCE] += 1
                     continue
-                code = receive_one(st, rx.buf[i, off - seg: off - seg + size], size, a, now)
+                code = receive_one(st, rx.buf[i, off - seg: off - seg + size], size, a, now,
+                                   (rx.tos[i] & ECN_MASK) == CE)
                 if code > 0:
                     st.i[I_EVENT_AGG] = a
                     st.i[I_VIOLATION] = code

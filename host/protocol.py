@@ -15,7 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import spec, wire
-from .spec import (AGGREGATOR_RANK, BOOT, DEFAULT_PORT, END, FEATURE_LEAVE, FEATURE_MULTICAST, HAS_DATA, INT_EXP, JOIN_MAC_SIZE,
+from .spec import (AGGREGATOR_RANK, BOOT, CONGESTION, DEFAULT_PORT, END, FEATURE_LEAVE, FEATURE_MULTICAST, HAS_DATA,
+                   INT_EXP, JOIN_MAC_SIZE,
                    MAX_DATAGRAM, MAX_WORLD, NO_EXP, REFUSED_CONFLICT, REFUSED_FULL, REFUSED_UNKNOWN_JOB,
                    VERSION)
 
@@ -88,7 +89,7 @@ class Datagram:
         native = entries.astype(_NATIVE_ENTRY)   # one conversion; the fields below are views
         self.slot, self.flags, self.block = native["slot"], native["flags"], native["block"]
         self.next, self.exp, self.next_exp = native["next"], native["exp"], native["next_exp"]
-        self.has = self.flags.astype(bool)      # valid once decode has checked flags <= HAS_DATA
+        self.has = (self.flags & HAS_DATA).astype(bool)   # valid once decode has checked the flags
         n, rows = len(self.has), int(self.has.sum())
         if rows == n:
             self.row = np.arange(n)
@@ -185,7 +186,7 @@ def check(datagram, takes=AGGREGATOR_TAKES) -> tuple[str, tuple | None]:
         return "drop_type", fields                                  # R-V3
     if ptype == DATA:                                               # R-V4, R-V5
         reason, _ = wire.check_entries(np.frombuffer(datagram, np.uint8), n, nent, block_size,
-                                       tensor_blocks, True)
+                                       tensor_blocks, True, wire.DATA_FLAGS)
         return wire.DROP_REASONS[reason], fields
     allowed = STATS_REQUEST_BODY if ptype == STATS else CONTROL_BODY[ptype]
     if nent or n - PACKET_HEADER_SIZE not in allowed:
@@ -224,7 +225,8 @@ def decode(buf, length: int | None = None) -> Datagram:
         raise ProtocolError("length", f"{nent} entries need {end_of_headers} bytes, got {n}")
     # The entry rules are checked by the same compiled code the aggregators run on every datagram.
     raw = np.frombuffer(mv, np.uint8)
-    reason, rows = wire.check_entries(raw, n, nent, bsize, tblocks, ptype in (DATA, RESULT))
+    reason, rows = wire.check_entries(raw, n, nent, bsize, tblocks, ptype in (DATA, RESULT),
+                                      wire.DATA_FLAGS if ptype == DATA else wire.REPLY_FLAGS)
     if not reason:
         reason = wire.check_slots(raw, nent, 0x10000, np.zeros(0x10000, np.int64), 1)
     if reason:

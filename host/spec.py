@@ -82,6 +82,16 @@ SWITCH_TAKES = ("JOIN", "DATA")
 
 # Entry flags.
 HAS_DATA = 0x0001
+# RESULT and STATUS only (R-E1): a contribution to the round arrived with an ECN Congestion Experienced
+# mark; DATA with it is dropped (drop_flags), as any flag but HAS_DATA.
+CONGESTION = 0x0002
+DATA_FLAGS = HAS_DATA                  # what DATA entries may carry (R-V4)
+REPLY_FLAGS = HAS_DATA | CONGESTION    # what RESULT and STATUS entries may carry
+
+# ECN, the low two bits of the IPv4 TOS byte (RFC 3168, section 5): what workers and aggregators send
+# (the DSCP bits zero), and the mark a congested queue sets on ECN-capable packets.
+NOT_ECT, ECT0, CE = 0b00, 0b10, 0b11
+ECN_MASK = 0b11
 
 # Sentinels.
 END = 0xFFFFFFFF        # block index: "no further non-zero block in this column"

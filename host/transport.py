@@ -9,6 +9,8 @@ of datagrams without entering Python, as QUIC stacks do (quinn-udp, quiche, msqu
   datagrams with their source addresses (`receive2`: from two sockets, a worker's and its multicast
   group's). With UDP GRO on (Linux >= 5.0, `UDP_GRO`), one buffer may hold several datagrams of one
   sender, all rx.seg[i] bytes long but the last: the drivers walk buffer i in steps of rx.seg[i].
+  rx.tos[i] is the IPv4 TOS byte buffer i arrived with (`IP_RECVTOS`; GRO merges only datagrams with
+  the same TOS), whose ECN bits tell a Congestion Experienced mark (docs/protocol.md, R-E1).
 - `queue(tx, ...)` / `send(fd, tx)`: datagrams to send are queued as (memory, length, destination,
   segment size) and go out with sendmmsg(2), up to TX_BATCH at a time. A run of equally long datagrams
   to one destination that lie back to back in memory goes out as one GSO message (`UDP_SEGMENT`, Linux
@@ -33,14 +35,18 @@ from llvmlite import ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
+from .spec import CE, ECN_MASK, ECT0
+
 JIT = dict(cache=True, nogil=True)
 
 RX_BATCH = 64          # datagrams (or GRO buffers) per recvmmsg
 TX_BATCH = 256         # messages per sendmmsg (each may be a GSO run of datagrams)
 RX_CAPACITY = 65536    # bytes per receive buffer: a datagram, or a GRO buffer of several
+RX_CTRL_WORDS = 8      # 64 bytes of control messages per buffer: UDP_GRO's and IP_TOS's, 24 bytes each
 GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of Linux 4.18..6.x
 GSO_MAX_BYTES = 65507  # a GSO message is one UDP payload before it is cut
 
+SOL_IP, IP_TOS, IP_RECVTOS = 0, 1, 13    # Linux's (the control messages the kernels parse)
 SOL_UDP = 17
 UDP_SEGMENT = 103
 UDP_GRO = 104
@@ -107,10 +113,11 @@ class RxBatch(NamedTuple):
     buf: np.ndarray       # uint8 [RX_BATCH, RX_CAPACITY]
     hdrs: np.ndarray      # uint64 [RX_BATCH, 8]: struct mmsghdr
     names: np.ndarray     # uint8 [RX_BATCH, 16]: struct sockaddr_in
-    ctrl: np.ndarray      # uint64 [RX_BATCH, 4]: control messages (the GRO segment size)
+    ctrl: np.ndarray      # uint64 [RX_BATCH, RX_CTRL_WORDS]: control messages (GRO segment size, TOS)
     length: np.ndarray    # int64 [RX_BATCH]: bytes received
     source: np.ndarray    # int64 [RX_BATCH]: the sender, ip << 16 | port
     seg: np.ndarray       # int64 [RX_BATCH]: GRO segment size, or the length when not coalesced
+    tos: np.ndarray       # int64 [RX_BATCH]: the IPv4 TOS byte (0 where the kernel did not say)
     pollfd: np.ndarray    # int32 [4]: two struct pollfd
     clock: np.ndarray     # int64 [2]: struct timespec
 
@@ -133,7 +140,7 @@ QUEUED, GSO_ON, SEND_ERRORS, MESSAGES, DATAGRAMS, GSO_FALLBACKS = range(6)
 @njit(**JIT)
 def raw_rx(rx):
     return RxBatch(raw(rx.buf), raw(rx.hdrs), raw(rx.names), raw(rx.ctrl), raw(rx.length), raw(rx.source),
-                   raw(rx.seg), raw(rx.pollfd), raw(rx.clock))
+                   raw(rx.seg), raw(rx.tos), raw(rx.pollfd), raw(rx.clock))
 
 
 @njit(**JIT)
@@ -144,9 +151,9 @@ def raw_tx(tx):
 
 def rx_batch() -> RxBatch:
     rx = RxBatch(np.zeros((RX_BATCH, RX_CAPACITY), np.uint8), np.zeros((RX_BATCH, 8), np.uint64),
-                 np.zeros((RX_BATCH, 16), np.uint8), np.zeros((RX_BATCH, 4), np.uint64),
+                 np.zeros((RX_BATCH, 16), np.uint8), np.zeros((RX_BATCH, RX_CTRL_WORDS), np.uint64),
                  np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64),
-                 np.zeros(4, np.int32), np.zeros(2, np.int64))
+                 np.zeros(RX_BATCH, np.int64), np.zeros(4, np.int32), np.zeros(2, np.int64))
     iov = np.zeros((RX_BATCH, 2), np.uint64)
     for i in range(RX_BATCH):
         iov[i] = (rx.buf[i].ctypes.data, RX_CAPACITY)
@@ -208,7 +215,7 @@ def receive2(fd, fd2, rx, timeout_ms):
     n = rx.hdrs.shape[0]
     for i in range(n):
         rx.hdrs[i, 1] = 16              # msg_namelen
-        rx.hdrs[i, 5] = 32              # msg_controllen
+        rx.hdrs[i, 5] = RX_CTRL_WORDS * 8   # msg_controllen
         rx.ctrl[i, 0] = 0
     got = max(0, _recvmmsg(fd, rx.hdrs.ctypes.data, n, MSG_DONTWAIT, 0))
     if fd2 >= 0 and got < n:
@@ -222,15 +229,34 @@ def receive2(fd, fd2, rx, timeout_ms):
         ip = ((np.int64(nm[i, 4]) << 24) | (np.int64(nm[i, 5]) << 16) | (np.int64(nm[i, 6]) << 8)
               | np.int64(nm[i, 7]))
         rx.source[i] = (ip << 16) | port
-        seg = length
-        if rx.hdrs[i, 5] >= 20:         # a control message came back: the GRO segment size
-            c = rx.ctrl
-            if (c[i, 1] & np.uint64(0xFFFFFFFF)) == SOL_UDP and (c[i, 1] >> np.uint64(32)) == UDP_GRO:
-                s = np.int64(c[i, 2] & np.uint64(0xFFFFFFFF))
-                if 0 < s < length:
-                    seg = s
+        seg, tos = _control_messages(rx.ctrl, i, np.int64(rx.hdrs[i, 5]), length)
         rx.seg[i] = seg if seg > 0 else 1
+        rx.tos[i] = tos
     return got
+
+
+@njit(inline="always", **JIT)
+def _control_messages(c, i, size, length):
+    """(GRO segment size, or `length`; TOS byte, or 0) from the `size` bytes of control messages of
+    buffer i: struct cmsghdr {size_t len; int level; int type;} and its data, each 8-byte aligned."""
+    seg = length
+    tos = np.int64(0)
+    at = 0
+    while at + 16 <= size and at // 8 + 2 < c.shape[1]:
+        w = at // 8
+        clen = np.int64(c[i, w])
+        level = c[i, w + 1] & np.uint64(0xFFFFFFFF)
+        kind = c[i, w + 1] >> np.uint64(32)
+        if clen < 16:
+            break
+        if level == SOL_UDP and kind == UDP_GRO:
+            s = np.int64(c[i, w + 2] & np.uint64(0xFFFFFFFF))
+            if 0 < s < length:
+                seg = s
+        elif level == SOL_IP and kind == IP_TOS:
+            tos = np.int64(c[i, w + 2] & np.uint64(0xFF))
+        at += (clen + 7) & ~7
+    return seg, tos
 
 
 @njit(inline="always", **JIT)
@@ -405,9 +431,33 @@ def io_mode() -> str:
     return mode
 
 
+def enable_ecn(sock: socket.socket) -> None:
+    """Send ECN-capable datagrams, ECT(0) with the DSCP bits zero, and be told the TOS byte of those that
+    arrive (IP_RECVTOS: a control message with each), so that a Congestion Experienced mark a queue set
+    on the way is seen (RFC 3168; docs/protocol.md, R-E1, R-C6)."""
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, ECT0)
+    if hasattr(socket, "IP_RECVTOS"):     # elsewhere no mark is seen, and none is acted on
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+
+
+# Control-message room for recvmsg through Python's socket module (the path without batched I/O).
+ECN_ANCILLARY = socket.CMSG_SPACE(4)
+
+
+def tos_of(ancdata) -> int:
+    """The TOS byte recvmsg's control messages (Python's socket module has parsed them) report, or 0."""
+    return next((data[0] for level, kind, data in ancdata if level == SOL_IP and kind == IP_TOS and data), 0)
+
+
+def congestion_experienced(ancdata) -> bool:
+    """Whether the datagram of recvmsg's control messages arrived with the CE mark."""
+    return (tos_of(ancdata) & ECN_MASK) == CE
+
+
 def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
     """What this kernel offers on `sock` (within ZEROSUM_IO), turning GRO on where it exists (`gso`/`gro`
-    False: do not use)."""
+    False: do not use), and ECN on (enable_ecn)."""
+    enable_ecn(sock)
     mode = io_mode()
     gso, gro = gso and mode == "gso", gro and mode == "gso"
     batched = sys.platform.startswith("linux") and struct.calcsize("P") == 8 and mode != "plain"

@@ -30,6 +30,8 @@ BOOT = np.int64(spec.BOOT)
 NO_EXP = np.int64(spec.NO_EXP)
 INT_EXP = np.int64(spec.INT_EXP)
 HAS_DATA = np.int64(spec.HAS_DATA)
+CONGESTION = np.int64(spec.CONGESTION)
+DATA_FLAGS, REPLY_FLAGS = np.int64(spec.DATA_FLAGS), np.int64(spec.REPLY_FLAGS)
 AGGREGATOR_RANK = np.int64(spec.AGGREGATOR_RANK)
 MAX_DATAGRAM = spec.MAX_DATAGRAM
 MAX_BLOCKS = np.int64(spec.BOOT)     # block indices must be below BOOT
@@ -81,7 +83,7 @@ def put_header(b, pos, ptype, job, rank, world, epoch, tensor_blocks, block_size
 @njit(inline="always", **JIT)
 def read_entry(b, e):
     """The entry header at offset e: (slot, has data, block, next, exp, next_exp)."""
-    return get16(b, e + E_SLOT), get16(b, e + E_FLAGS) != 0, get32(b, e + E_BLOCK), get32(b, e + E_NEXT), \
+    return get16(b, e + E_SLOT), (get16(b, e + E_FLAGS) & HAS_DATA) != 0, get32(b, e + E_BLOCK), get32(b, e + E_NEXT), \
         get_s16(b, e + E_EXP), get_s16(b, e + E_NEXT_EXP)
 
 
@@ -104,10 +106,11 @@ DROP_REASONS = ("", "drop_length", "drop_flags", "drop_exponent", "drop_range")
 
 
 @njit(**JIT)
-def check_entries(b, n, nent, block_size, tensor_blocks, ranges):
+def check_entries(b, n, nent, block_size, tensor_blocks, ranges, allowed):
     """The stateless rules of a DATA/RESULT/STATUS datagram's entries; return (reason, data rows).
 
-    R-V4: the entry headers fit, no unknown flag bits, the exact length. R-V5 (with `ranges`: DATA and
+    R-V4: the entry headers fit, no flag bits but the `allowed` ones (DATA_FLAGS in DATA, REPLY_FLAGS in
+    RESULT and STATUS), the exact length. R-V5 (with `ranges`: DATA and
     RESULT; in a STATUS `next` is a bitmap), entry by entry: no data on BOOT, an exponent with data, block
     and next in range.
     """
@@ -117,9 +120,9 @@ def check_entries(b, n, nent, block_size, tensor_blocks, ranges):
     rows = 0
     for i in range(nent):
         flags = get16(b, HDR + i * ENT + E_FLAGS)
-        if flags & ~HAS_DATA:
+        if flags & ~allowed:
             return DROP_FLAGS, 0
-        rows += flags
+        rows += flags & HAS_DATA
     if n != end_of_headers + rows * block_size * 4:
         return DROP_LENGTH, 0
     if not ranges:
@@ -138,6 +141,15 @@ def check_entries(b, n, nent, block_size, tensor_blocks, ranges):
         if nxt != END and (nxt >= tensor_blocks or (real and nxt <= block)):
             return DROP_RANGE, rows
     return OK, rows
+
+
+@njit(**JIT)
+def congestion_marked(b, nent):
+    """Whether an entry of a (validated) RESULT or STATUS datagram carries the CONGESTION flag (R-E1)."""
+    for i in range(nent):
+        if get16(b, HDR + i * ENT + E_FLAGS) & CONGESTION:
+            return True
+    return False
 
 
 @njit(**JIT)

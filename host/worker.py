@@ -211,11 +211,11 @@ class Worker:
 
     def _recv(self, wait: float):
         """One datagram as (aggregator index, memoryview into the receive buffer, valid until the next
-        call), or None after `wait` s."""
+        call, whether it arrived marked Congestion Experienced), or None after `wait` s."""
         self.sock.settimeout(max(wait, 0.0))   # 0: non-blocking
         buf = self._buf
         try:
-            n, addr = self.sock.recvfrom_into(buf)
+            n, ancdata, _, addr = self.sock.recvmsg_into([buf], T.ECN_ANCILLARY)
         except (socket.timeout, BlockingIOError):
             return None
         except ConnectionRefusedError:
@@ -228,7 +228,7 @@ class Worker:
         if idx is None:
             self.stats.drops["unknown_source"] = self.stats.drops.get("unknown_source", 0) + 1
             return None
-        return idx, self._view[:n]
+        return idx, self._view[:n], T.congestion_experienced(ancdata)
 
     # -- join ---------------------------------------------------------------------------------------
     def _join(self) -> None:
@@ -511,11 +511,11 @@ class Worker:
                 got = self._recv(0.0)
                 if got is None:
                     break
-                m.receive(got[0], got[1], time.monotonic())
+                m.receive(got[0], got[1], time.monotonic(), got[2])
             now = time.monotonic()
             self._send_all(m.datagrams_to_send(now))
             if m.done:
                 break
             got = self._recv(m.timer() - time.monotonic())
             if got is not None:
-                m.receive(got[0], got[1], time.monotonic())
+                m.receive(got[0], got[1], time.monotonic(), got[2])

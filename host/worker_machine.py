@@ -221,7 +221,7 @@ class AllreduceMachine:
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
                         0.0, 0.0, 0.0, np.nan], np.float64),
-            i=np.zeros(25, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+            i=np.zeros(28, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
         i[K.I_CONGESTION] = congestion
@@ -276,6 +276,11 @@ class AllreduceMachine:
     def window_cuts(self) -> tuple[int, int]:
         """How often the congestion window was cut for delay (R-C3) and for loss (R-C4)."""
         return int(self.st.i[K.I_DELAY_CUTS]), int(self.st.i[K.I_LOSS_CUTS])
+
+    @property
+    def ecn_marks(self) -> int:
+        """Datagrams that came with an ECN mark, echoed in the CONGESTION flag or their own CE (R-C6)."""
+        return int(self.st.i[K.I_MARKS])
 
     @property
     def spurious_entries(self) -> int:
@@ -436,12 +441,13 @@ class AllreduceMachine:
             expired = (st.round_block[cols] != P.END) & ~st.ready[cols] & (st.deadline[cols] <= now)
             st.loss_confirmed[a] = bool(expired.any())
 
-    def receive(self, aggregator: int, datagram, now: float) -> None:
-        """Take one datagram from an aggregator; results only mark columns ready (see flush)."""
+    def receive(self, aggregator: int, datagram, now: float, ce: bool = False) -> None:
+        """Take one datagram from an aggregator (`ce`: it arrived marked Congestion Experienced, R-C6);
+        results only mark columns ready (see flush)."""
         self._check_failed()
         if self.output.collect:
             self.grow(self._max_rows)
-        code = K.receive_one(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now)
+        code = K.receive_one(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now, ce)
         if code > 0:
             self.fail(code, aggregator)
         if code == K.PROBE_OUT:

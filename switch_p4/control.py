@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .layout import (INGRESS, JOB_STATS, JOBS, L2_FORWARD, MAX_JOBS, MAX_MEMBERS, MEMBERSHIP, POOL_SLOTS, PORT,
                      SWITCH_COUNTERS, WORKER_ADDRESS, ZEROSUM_SERVICE, ZEROSUM_STATS, ADMISSION, EGRESS,
-                     job_stats_base)
+                     ECN_MARKING, job_stats_base)
 
 HERE = Path(__file__).resolve().parent
 P4INFO = HERE / "zerosum.p4info.txtpb"
@@ -174,6 +174,16 @@ class SwitchControl:
         te.action["slots_in_use"] = str(slot_base + slots)
         self._write("the jobs table's refusal", te, "modify")
         return plan
+
+    def set_ecn_threshold(self, depth: int) -> None:
+        """ECN-capable packets leave marked CE once `depth` packets wait at their egress port (the
+        default: layout.ECN_THRESHOLD; docs/protocol.md, R-E1). 0 marks every one, 2**19 - 1 none."""
+        if not 0 <= depth < 1 << 19:
+            raise ValueError(f"the ECN threshold is a queue depth of 0..{(1 << 19) - 1} packets, got {depth}")
+        te = self.sh.TableEntry(ECN_MARKING)(is_default=True)
+        te.action = self.sh.Action(EGRESS + "mark_above")
+        te.action["depth"] = str(depth)
+        self._write("ECN threshold", te, "modify")
 
     # -- monitoring ------------------------------------------------------------------------------------
     def stats(self, job: int | None = None) -> dict[str, int]:

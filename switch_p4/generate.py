@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from .. import spec
-from .layout import ELEMENTS, MAX_JOBS, MAX_MEMBERS, POOL_SLOTS, PORT, SWITCH_COUNTERS, element_names
+from .layout import ECN_THRESHOLD, ELEMENTS, MAX_JOBS, MAX_MEMBERS, POOL_SLOTS, PORT, SWITCH_COUNTERS, element_names
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE_FILE = HERE / "zerosum.p4.j2"   # the program, with the protocol's constants and per-element code left to fill
@@ -33,6 +33,8 @@ def render() -> str:
                              keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
     return env.get_template(TEMPLATE_FILE.name).render(
         typedefs=spec.TYPEDEFS, version=spec.VERSION, types=spec.TYPES, has_data=spec.HAS_DATA,
+        congestion=spec.CONGESTION, ecn_mask=spec.ECN_MASK, not_ect=spec.NOT_ECT, ect0=spec.ECT0, ce=spec.CE,
+        ecn_threshold=ECN_THRESHOLD,
         end=spec.END, boot=spec.BOOT, no_exp=spec.NO_EXP & 0xFFFF, aggregator_rank=spec.AGGREGATOR_RANK,
         refused_unknown_job=spec.REFUSED_UNKNOWN_JOB, refused_conflict=spec.REFUSED_CONFLICT, header_bytes=spec.PACKET_HEADER.size,
         entry_bytes=spec.ENTRY_HEADER.size, join_ack_bytes=spec.JOIN_ACK_BODY.size,

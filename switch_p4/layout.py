@@ -9,6 +9,10 @@ PORT = DEFAULT_PORT    # the UDP port the switch aggregates on
 POOL_SLOTS = 4096      # aggregation slots of all jobs together (2 banks of ELEMENTS values each)
 MAX_MEMBERS = 256      # workers of all jobs together
 MAX_JOBS = 16
+# ECN (docs/protocol.md, R-E1): an ECN-capable packet leaves marked CE when the egress queue held at least
+# this many packets as it was queued (v1model's enq_qdepth; DCTCP's K for 1 Gbit/s, SIGCOMM'10: 20 of
+# bmv2's 64 per port). The control plane may set another (SwitchControl.set_ecn_threshold).
+ECN_THRESHOLD = 20
 
 # The `zerosum_stats` counter's indices (and each job's in `job_stats`): the first SWITCH_COUNTERS of
 # spec.COUNTERS, named as the software aggregator's counters.
@@ -21,6 +25,7 @@ INGRESS, EGRESS = "ZeroSumIngress.", "ZeroSumEgress."
 ADMISSION, SLOT_STATE, ACCUMULATE = INGRESS + "admission.", INGRESS + "slot_state.", INGRESS + "accumulate."
 L2_FORWARD, ZEROSUM_SERVICE = INGRESS + "l2_forward", INGRESS + "zerosum_service"
 JOBS, MEMBERSHIP, WORKER_ADDRESS = ADMISSION + "jobs", ADMISSION + "membership", EGRESS + "worker_address"
+ECN_MARKING = EGRESS + "ecn_marking"
 ZEROSUM_STATS, JOB_STATS = INGRESS + "zerosum_stats", INGRESS + "job_stats"
 
 

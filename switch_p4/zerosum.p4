@@ -10,7 +10,9 @@
 // The ingress runs the stages of docs/protocol.md in order, each a control of its own: Validate
 // (R-V1..R-V5), Admission (jobs and members, joining: R-V7..R-V10, R-J1..R-J6), SlotState (the round:
 // R-A1..R-A7), Accumulate (the value registers) and Reply (the answer and its destination). A stage that
-// rejects a packet sets meta.drop_reason; every count happens once, at the end of the ingress.
+// rejects a packet sets meta.drop_reason; every count happens once, at the end of the ingress. ECN (R-E1):
+// a round echoes the CE mark of its contributions in the CONGESTION flag of its RESULT, and the egress
+// marks ECN-capable packets CE while the port's queue is over a threshold.
 #include <core.p4>
 #include <v1model.p4>
 
@@ -33,6 +35,12 @@ const bit<8> T_LEAVE = 6;
 const bit<8> T_REFUSED = 7;
 const bit<8> T_STATS = 8;
 const bit<16> HAS_DATA = 1;
+const bit<16> CONGESTION = 2;    // RESULT, STATUS: a contribution of the round was marked CE
+// ECN, the low two bits of diffserv (RFC 3168)
+const bit<8> ECN_MASK = 3;
+const bit<8> NOT_ECT = 0;
+const bit<8> ECT0 = 2;
+const bit<8> CE = 3;
 const block_t END = 0xFFFFFFFF;
 const block_t BOOT = 0xFFFFFFFE;
 const exp_t NO_EXP = 0x8000;
@@ -75,6 +83,7 @@ const bit<32> POOL_SLOTS = 4096;      // slots of all jobs together
 const bit<32> POOL_SIZE = 8192;       // two banks per slot
 const bit<32> MAX_MEMBERS = 256;
 const bit<32> MAX_JOBS = 16;
+const bit<19> ECN_THRESHOLD = 20;   // packets queued at an egress port (ecn_marking's default)
 const bit<16> UDP_BYTES = 8;
 const bit<16> IPV4_BYTES = 20;
 
@@ -265,6 +274,9 @@ struct metadata_t {
     block_t r_next;
     exp_t   r_exp;
     exp_t   r_next_exp;
+    bit<16> r_congestion;          // CONGESTION when the answered round heard a CE mark (R-E1)
+    // egress (ecn_marking)
+    bit<19> ecn_threshold;
 }
 
 parser ZeroSumParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
@@ -509,6 +521,8 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
     register<exp_t>(POOL_SLOTS) prev_exp;
     register<exp_t>(POOL_SLOTS) prev_next_exp;
     register<bit<1>>(POOL_SLOTS) prev_has_data;
+    register<bit<1>>(POOL_SLOTS) congestion;        // R-E1: a contribution of the round arrived marked CE
+    register<bit<1>>(POOL_SLOTS) prev_congestion;
 
     // R-A1: a slot's next allreduce starts empty.
     action start_allreduce(bit<32> s) {
@@ -521,6 +535,7 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
         min_next.write(s, END);
         min_next_exp.write(s, NO_EXP);
         has_data.write(s, 0);   // an abandoned partial sum is overwritten by the next first write
+        congestion.write(s, 0);
     }
 
     apply {
@@ -554,6 +569,8 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
         bitmap.read(heard, s);
         bit<1> b;
         bank.read(b, s);
+        bit<1> s_cong;
+        congestion.read(s_cong, s);
         bool current = s_gen == gen && s_epoch == epoch && block == s_block;
         if (current && (heard & meta.rank_bit) != 0) {
             // R-A2: a duplicate is not added again; the sender learns which ranks the round has heard.
@@ -563,6 +580,9 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
             meta.r_next = heard;
             meta.r_exp = NO_EXP;
             meta.r_next_exp = NO_EXP;
+            if (s_cong == 1) {
+                meta.r_congestion = CONGESTION;
+            }
             return;
         }
         if (!current) {
@@ -582,6 +602,11 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
             prev_exp.read(meta.r_exp, s);
             prev_next_exp.read(meta.r_next_exp, s);
             prev_has_data.read(meta.read_result, s);
+            bit<1> p_cong;
+            prev_congestion.read(p_cong, s);
+            if (p_cong == 1) {
+                meta.r_congestion = CONGESTION;             // R-E1: as the round's first RESULT
+            }
             meta.result_index = 2 * s + (bit<32>)(b ^ 1);
             return;
         }
@@ -607,6 +632,10 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
         }
         heard = heard | meta.rank_bit;
         bitmap.write(s, heard);
+        if ((hdr.ipv4.diffserv & ECN_MASK) == CE) {
+            s_cong = 1;                                     // R-E1: the round's RESULT echoes the mark
+            congestion.write(s, 1);
+        }
         bit<32> n;
         count.read(n, s);
         n = n + 1;
@@ -635,6 +664,8 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
         prev_exp.write(s, s_exp);
         prev_next_exp.write(s, m_exp);
         prev_has_data.write(s, s_has);
+        prev_congestion.write(s, s_cong);
+        congestion.write(s, 0);
         bank.write(s, b ^ 1);
         slot_block.write(s, m);
         slot_exp.write(s, m_exp);
@@ -650,6 +681,9 @@ control SlotState(in headers_t hdr, inout metadata_t meta) {
         meta.r_next_exp = m_exp;
         meta.read_result = s_has;
         meta.result_index = 2 * s + (bit<32>)b;
+        if (s_cong == 1) {
+            meta.r_congestion = CONGESTION;
+        }
     }
 }
 
@@ -966,8 +1000,10 @@ control Reply(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
         standard_metadata.mcast_grp = meta.mcast_grp;
     }
 
-    // Sizes of a packet with the headers now valid; its IPv4 checksum is recomputed.
+    // Sizes of a packet with the headers now valid; its IPv4 checksum is recomputed. An answer is sent
+    // ECN-capable, ECT(0), as a software aggregator's (a CE mark of the packet it answers is in the flag).
     action set_lengths(bit<16> payload) {
+        hdr.ipv4.diffserv = (hdr.ipv4.diffserv & ~ECN_MASK) | ECT0;
         hdr.udp.length = UDP_BYTES + payload;
         hdr.udp.checksum = 0;
         hdr.ipv4.totalLen = IPV4_BYTES + UDP_BYTES + payload;
@@ -1024,10 +1060,10 @@ control Reply(inout headers_t hdr, inout metadata_t meta, inout standard_metadat
                 to_sender();
             }
             if (meta.read_result == 1) {
-                hdr.entry.flags = HAS_DATA;
+                hdr.entry.flags = HAS_DATA | meta.r_congestion;
                 set_lengths(HEADER_BYTES + ENTRY_BYTES + (bit<16>)(ELEMENTS << 2));
             } else {
-                hdr.entry.flags = 0;
+                hdr.entry.flags = meta.r_congestion;
                 hdr.data.setInvalid();
                 set_lengths(HEADER_BYTES + ENTRY_BYTES);
             }
@@ -1141,12 +1177,40 @@ control ZeroSumEgress(inout headers_t hdr, inout metadata_t meta,
         size = MAX_MEMBERS;
     }
 
+    action mark_above(bit<19> depth) {
+        meta.ecn_threshold = depth;
+    }
+
+    // The queue depth (packets) from which ECN-capable packets leave marked CE (keyless: its default
+    // action holds it; the control plane may set another, as a switch's ECN profile).
+    table ecn_marking {
+        actions = { mark_above; }
+        default_action = mark_above(ECN_THRESHOLD);
+    }
+
+    // CE on an ECN-capable packet (RFC 3168, section 5; never on Not-ECT), its IPv4 checksum updated
+    // incrementally (RFC 1624, eqn. 3): a forwarded header with options stays right, a bad one stays bad.
+    action mark_ce() {
+        bit<16> before = (bit<16>)hdr.ipv4.version << 12 | (bit<16>)hdr.ipv4.ihl << 8 | (bit<16>)hdr.ipv4.diffserv;
+        hdr.ipv4.diffserv = hdr.ipv4.diffserv | CE;
+        bit<16> after = before | (bit<16>)CE;
+        bit<32> sum = (bit<32>)(~hdr.ipv4.hdrChecksum) + (bit<32>)(~before) + (bit<32>)after;
+        sum = (sum & 0xFFFF) + (sum >> 16);
+        sum = (sum & 0xFFFF) + (sum >> 16);
+        hdr.ipv4.hdrChecksum = ~(bit<16>)sum;
+    }
+
     apply {
         if (standard_metadata.egress_rid != 0) {
             worker_address.apply();
         } else if (standard_metadata.mcast_grp != 0 &&
                    standard_metadata.egress_port == standard_metadata.ingress_port) {
             mark_to_drop(standard_metadata);   // a flooded frame does not go back where it came from
+        }
+        ecn_marking.apply();
+        bit<8> ecn = hdr.ipv4.isValid() ? hdr.ipv4.diffserv & ECN_MASK : NOT_ECT;
+        if (ecn != NOT_ECT && ecn != CE && standard_metadata.enq_qdepth >= meta.ecn_threshold) {
+            mark_ce();
         }
     }
 }

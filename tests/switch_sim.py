@@ -43,9 +43,9 @@ class ZeroSumEntry(Packet):
 bind_layers(UDP, ZeroSum, dport=P.DEFAULT_PORT)
 
 
-def frame(rank: int, zs: Packet, *entry_and_data, sport: int | None = None) -> bytes:
+def frame(rank: int, zs: Packet, *entry_and_data, sport: int | None = None, tos: int = 0) -> bytes:
     """A frame from worker `rank` (10.0.0.rank+1, port WORKER_PORT+rank) to the switch's service address."""
-    pkt = (Ether(src=mac_of(rank), dst="00:00:00:00:00:fe") / IP(src=ip_of(rank), dst=SWITCH_IP)
+    pkt = (Ether(src=mac_of(rank), dst="00:00:00:00:00:fe") / IP(src=ip_of(rank), dst=SWITCH_IP, tos=tos)
            / UDP(sport=WORKER_PORT + rank if sport is None else sport, dport=P.DEFAULT_PORT, chksum=0) / zs)
     for layer in entry_and_data:
         pkt = pkt / layer
@@ -91,9 +91,11 @@ class SwitchAggregator:
         self._rank_of_ip = {ip_of(r): r for r in range(world)}
         self._outbox = []
 
-    def receive(self, datagram, source, now: float) -> None:
+    def receive(self, datagram, source, now: float, ce: bool = False) -> None:
+        """`ce`: the frame arrives marked Congestion Experienced (else ECT(0), as workers send)."""
         _, rank = source
-        f = bytes(Ether(src=mac_of(rank), dst="00:00:00:00:00:fe") / IP(src=ip_of(rank), dst=SWITCH_IP)
+        tos = spec.CE if ce else spec.ECT0
+        f = bytes(Ether(src=mac_of(rank), dst="00:00:00:00:00:fe") / IP(src=ip_of(rank), dst=SWITCH_IP, tos=tos)
                   / UDP(sport=WORKER_PORT + rank, dport=P.DEFAULT_PORT, chksum=0) / Raw(bytes(datagram)))
         for port, data in self.switch.process(f, rank + 1):
             pkt = Ether(data)

@@ -144,15 +144,89 @@ def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
     ent[1] = (2, 0, 2, 0b01, 0, P.NO_EXP)                           # slot 2: not its current round: not counted
     hdr = P.Header(P.STATUS, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
     datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
-    assert K.receive_one(st, datagram, len(datagram), 0, 1.0) == K.APPLIED
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.0, False) == K.APPLIED
     assert m.spurious_entries == 1 and st.i[K.I_REO_MULT] == 2 and st.waiting_for[1] == 0b11
     ent = P.entries_array(1)
     st.round_block[1] = 1
     ent[0] = (1, 0, 0, 1, 0, P.NO_EXP)                              # slot 1's finished round, again
     hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 1)
     datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
-    K.receive_one(st, datagram, len(datagram), 0, 1.0)
+    K.receive_one(st, datagram, len(datagram), 0, 1.0, False)
     assert m.spurious_entries == 2 and m.drops == {"duplicate_result": 1}
+
+
+def _result(m, flags, block=0, nxt=1):
+    """A RESULT of slot 0's round `block` (no data) with these entry flags."""
+    ent = P.entries_array(1)
+    ent[0] = (0, flags, block, nxt, 0, 0)
+    hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 1)
+    return np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
+
+
+def _marked_epochs(flags, ce, epochs=3, per_epoch=4):
+    """Rounds of column 0 completing 1 ms after they were sent, `per_epoch` results per measurement epoch
+    (the first ends an epoch), each with these flags and IP mark; the delay is never above the target."""
+    x = np.zeros(64 * B, np.float32)                                # no data of its own: header-only rounds
+    source = BlockSource.dense(x, B)
+    config = WorkerConfig(rank=0, world=2, job=1, block_size=B, window="auto")
+    m = AllreduceMachine(config, 1, source, Layout(1, 1, source.nblocks), DenseResult(np.zeros_like(x)))
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.001, 1
+    st.f[K.F_CWND] = 40 * ENTRY
+    now, block = 1.0, 0
+    for _ in range(epochs):
+        for k in range(per_epoch):
+            st.round_block[0], st.sent_at[0] = block, now - 0.001
+            if k == 0:
+                st.f[K.F_EPOCH_START] = now - 0.002                 # this result ends the epoch
+            datagram = _result(m, flags, block, block + 1)
+            assert K.receive_one(st, datagram, len(datagram), 0, now, ce) == K.APPLIED
+            now += 0.0002                                           # within one round trip
+            block += 1
+        now += 0.002                                                # past the once-per-round-trip guard
+    return m
+
+
+@pytest.mark.parametrize("flags,ce", [(P.CONGESTION, False), (0, True), (P.CONGESTION, True)])
+def test_an_echoed_or_own_ecn_mark_cuts_by_half_once_per_epoch(flags, ce):
+    """R-C6: a RESULT flagged CONGESTION (a contribution of its round was marked CE, R-E1), or one that
+    itself arrived marked CE, is a verdict above the target: four marks per epoch, one cut per epoch."""
+    m = _marked_epochs(flags, ce)
+    assert m.ecn_marks == 12
+    assert m.window_cuts == (3, 0) and m.cwnd == pytest.approx(40 * ENTRY * K.ECN_CUT ** 3)
+
+
+def test_without_marks_the_same_rounds_cut_nothing():
+    m = _marked_epochs(0, False)
+    assert m.ecn_marks == 0 and m.window_cuts == (0, 0) and m.cwnd >= 40 * ENTRY
+
+
+def test_a_mark_stops_growth_until_an_unmarked_epoch_and_a_loss_after_it_halves():
+    m = machine()
+    st = m.st
+    st.f[K.F_MIN_RTT], st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.001, 0.001, 1
+    st.f[K.F_CWND] = 40 * ENTRY
+    K.on_mark(st)
+    K.on_rounds(st, 1, 0.001, 1.0, 0.999)                           # the epoch's verdict: marked, a cut
+    assert m.window_cuts == (1, 0) and m.cwnd == 20 * ENTRY
+    K.on_rounds(st, 5, 0.001, 1.0005, 0.9995)                       # no verdict yet: no growth
+    assert m.cwnd == 20 * ENTRY
+    K.on_loss(st, 1.01)                                             # R-C4: the mark says a queue was there
+    assert m.cwnd == 10 * ENTRY and m.window_cuts == (1, 1)
+    K.on_rounds(st, 1, 0.001, 1.02, 1.015)                          # an unmarked epoch: growth again
+    assert m.cwnd > 10 * ENTRY and m.window_cuts == (1, 1)
+
+
+def test_a_worker_drops_data_with_the_congestion_flag_but_takes_results_with_it():
+    """The flag is valid in RESULT and STATUS, not in DATA (R-V4: drop_flags, as any unknown bit)."""
+    m = machine(columns=1)
+    datagram = _result(m, P.CONGESTION | 0x4, nxt=P.END)
+    assert K.receive_one(m.st, datagram, len(datagram), 0, 1.0, False) == K.DROPPED
+    assert m.drops == {"flags": 1}
+    result = _result(m, P.CONGESTION, nxt=P.END).tobytes()
+    assert P.decode(result).header.type == P.RESULT
+    with pytest.raises(P.ProtocolError, match="flags"):
+        P.decode(result[:1] + bytes([P.DATA]) + result[2:])
 
 
 def test_the_cap_and_a_window_that_does_not_limit():

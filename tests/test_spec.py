@@ -56,6 +56,11 @@ def test_every_implementation_takes_the_format_from_the_spec():
     assert {k.lower(): int(v) for k, v in consts.items()} == layout.COUNTER_INDEX
     for name, value in spec.TYPES.items():
         assert f"const bit<8> T_{name} = {value};" in text
+    # the ECN flag and codepoints (R-E1), and the switch's marking threshold (switch_p4/layout.py)
+    assert f"const bit<16> CONGESTION = {spec.CONGESTION};" in text
+    for name in ("ECN_MASK", "NOT_ECT", "ECT0", "CE"):
+        assert f"const bit<8> {name} = {getattr(spec, name)};" in text
+    assert f"const bit<19> ECN_THRESHOLD = {layout.ECN_THRESHOLD};" in text
 
 
 def test_the_compiled_codec_reads_and_writes_what_the_spec_declares():
@@ -135,14 +140,15 @@ class Three:
     def counts(self):
         return (dict(self.machine.counters), dict(self.service.counters), dict(self.switch.switch.stats))
 
-    def send(self, rank: int, payload: bytes):
-        """(counters each aggregator added, replies of each: [(rank or 'all', payload)])."""
+    def send(self, rank: int, payload: bytes, ce: bool = False):
+        """(counters each aggregator added, replies of each: [(rank or 'all', payload)]); `ce`: the
+        datagram arrives marked Congestion Experienced."""
         before = self.counts()
         replies = []
         for agg in (self.machine, self.service):
-            agg.receive(payload, addr(rank), 0.0)
+            agg.receive(payload, addr(rank), 0.0, ce)
             replies.append([(_rank(d), bytes(b)) for d, b in agg.datagrams_to_send(0.0)])
-        self.switch.receive(payload, ("w", rank), 0.0)
+        self.switch.receive(payload, ("w", rank), 0.0, ce)
         out = self.switch.datagrams_to_send(0.0)
         by_payload = {}
         for (dest,), b in out:
@@ -162,8 +168,8 @@ def _rank(destinations) -> int | str:
 SOFTWARE_ONLY = {"jobs_started", "jobs_ended", "leaves", "send_errors", "drop_auth", "drop_replay"}
 
 
-def agree(three: Three, rank: int, payload: bytes) -> dict:
-    deltas, replies = three.send(rank, payload)
+def agree(three: Three, rank: int, payload: bytes, ce: bool = False) -> dict:
+    deltas, replies = three.send(rank, payload, ce)
     machine, service, switch = ({k: v for k, v in d.items() if k not in SOFTWARE_ONLY} for d in deltas)
     assert machine == service == switch, (payload.hex(), deltas)
     header = P.parse_header(payload)
@@ -211,6 +217,38 @@ def test_a_scenario_of_rounds_losses_and_drops_is_counted_and_answered_alike():
     seen |= agree(t, 2, P.encode(P.Header(P.JOIN, 1, 2, WORLD, 555, 0, K, 0)))           # new nonce: restart
     assert {"rounds", "duplicates", "retransmissions_answered", "drop_stale", "drop_mismatch", "joins",
             "job_restarts", "datagrams"} <= set(seen)
+
+
+def _flags(three: Three, rank: int, payload: bytes, ce: bool = False) -> list[int]:
+    """The entry flags of the answers (all three aggregators answer alike, byte for byte)."""
+    _, replies = three.send(rank, payload, ce)
+    assert replies[0] == replies[1] == replies[2], (payload.hex(), replies)
+    return [P.decode(b).flags[0] for _, b in replies[0]]
+
+
+def test_the_congestion_flag_echoes_a_ce_mark_alike_everywhere():
+    """R-E1: a contribution that arrived marked CE flags its round's RESULT to every worker, the STATUS
+    of a duplicate while the round waits, and the shadow copy's RESULT to a retransmission; the next
+    round starts unflagged."""
+    t = Three()
+    for r in range(WORLD):
+        agree(t, r, data(r, slot=1, nxt=2, next_exp=0))
+    vals = np.ones(K)
+    assert _flags(t, 0, data(0, 2, 4, P.HAS_DATA, 0, 0, vals, slot=1)) == []
+    assert _flags(t, 1, data(1, 2, 4, P.HAS_DATA, 0, 0, vals, slot=1), ce=True) == []
+    assert _flags(t, 1, data(1, 2, 4, P.HAS_DATA, 0, 0, vals, slot=1)) == [P.CONGESTION]   # STATUS
+    assert _flags(t, 2, data(2, 2, 4, P.HAS_DATA, 0, 0, vals, slot=1)) == [P.HAS_DATA | P.CONGESTION]
+    assert _flags(t, 2, data(2, 2, 4, P.HAS_DATA, 0, 0, vals, slot=1)) == [P.HAS_DATA | P.CONGESTION]
+    for r in range(WORLD):
+        flags = _flags(t, r, data(r, 4, P.END, slot=1))
+    assert flags == [0]
+    assert agree(t, 0, data(0, 4, P.END, slot=1), ce=True) == {"datagrams": 1, "retransmissions_answered": 1}
+
+
+def test_the_congestion_flag_in_data_is_dropped_alike_everywhere():
+    """DATA may carry HAS_DATA only (R-V4): a worker's entry with CONGESTION is drop_flags everywhere."""
+    t = Three()
+    assert agree(t, 0, data(0, flags=P.CONGESTION)) == {"drop_flags": 1}
 
 
 def test_a_runs_first_boot_starts_a_slot_whatever_its_epoch():

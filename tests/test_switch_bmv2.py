@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from zerosum import protocol as P
+from zerosum import spec
 from zerosum.emulator.pipeline import Registers, Switch
 from zerosum.emulator.ports import enable_auxdata, recv_frame
 from zerosum.switch_p4.layout import ACCUMULATE, ADMISSION, SLOT_STATE, element_names
@@ -62,11 +63,11 @@ def scenario() -> list[tuple[int, bytes]]:
     for r in range(WORLD):
         f.append((r + 1, frame(r, ZeroSum(rank=r, world=WORLD), ZeroSumEntry(slot=1, block=P.BOOT, next=2,
                                                                               next_exp=r))))
-    for r in range(WORLD):
+    for r in range(WORLD):   # rank 1's contribution arrives marked CE: the round's answers are flagged (R-E1)
         v = rng.integers(-2**31, 2**31, K)
         f.append((r + 1, frame(r, ZeroSum(rank=r, world=WORLD),
                                ZeroSumEntry(slot=1, flags=P.HAS_DATA, block=2, next=5 + r, exp=2, next_exp=r),
-                               values(v))))
+                               values(v), tos=spec.CE if r == 1 else spec.ECT0)))
         if r == 0:
             f.append(f[-1])    # duplicate -> STATUS
     f.append(f[-1])            # the last worker lost the result -> shadow copy
@@ -104,6 +105,25 @@ def scenario() -> list[tuple[int, bytes]]:
     f.append((1, bytes(Ether(src="00:00:00:00:00:01", dst="ff:ff:ff:ff:ff:ff") / ARP(pdst="10.0.0.2"))))
     f.append((1, bytes(Ether(src="00:00:00:00:00:01", dst="00:00:00:00:00:03") / IP(src="10.0.0.1", dst="10.0.0.3")
                        / UDP(sport=1, dport=2) / b"hello")))
+    return f
+
+
+def marking_scenario() -> list[tuple[int, bytes]]:
+    """Frames for a switch whose ECN threshold is 0 (every ECN-capable packet leaves marked): forwarded
+    frames of each ECN codepoint, with IPv4 options and with a bad checksum (updated incrementally), and
+    a JOIN whose answer (sent ECT(0)) leaves marked."""
+    from scapy.layers.inet import IP, UDP, IPOption_Router_Alert
+    from scapy.layers.l2 import Ether
+    f = []
+    for tos in (spec.NOT_ECT, 0b01, spec.ECT0, spec.CE, 0xB8 | spec.ECT0):
+        f.append((1, bytes(Ether(src="00:00:00:00:00:01", dst="00:00:00:00:00:03")
+                           / IP(src="10.0.0.1", dst="10.0.0.3", tos=tos) / UDP(sport=1, dport=2) / b"ecn")))
+    f.append((1, bytes(Ether(src="00:00:00:00:00:01", dst="00:00:00:00:00:03")
+                       / IP(src="10.0.0.1", dst="10.0.0.3", tos=spec.ECT0, options=[IPOption_Router_Alert()])
+                       / UDP(sport=1, dport=2) / b"options")))
+    f.append((1, bytes(Ether(src="00:00:00:00:00:01", dst="00:00:00:00:00:03")
+                       / IP(src="10.0.0.1", dst="10.0.0.3", tos=spec.ECT0, chksum=0xBAD) / UDP() / b"bad")))
+    f.append((1, frame(0, ZeroSum(type=P.JOIN, rank=0, world=WORLD, epoch=100, entries=0), tos=spec.NOT_ECT)))
     return f
 
 
@@ -197,13 +217,29 @@ def test_bmv2_and_the_emulator_send_the_same_frames(bmv2):
     server = serve_p4runtime(emu, address)
     with SwitchControl(address) as ctl:
         install(ctl, WORLD)
-    server.stop(0)
     _drain(socks, 0.2)
-    for i, (port, f) in enumerate(scenario()):
-        socks[port].send(f)
-        got = _drain(socks)
-        want = sorted(emu.process(f, port))
-        assert got == want, f"frame {i}: bmv2 sent {got}, the emulator {want}"
+
+    def same_frames(frames):
+        for i, (port, f) in enumerate(frames):
+            socks[port].send(f)
+            got = _drain(socks)
+            want = sorted(emu.process(f, port))
+            assert got == want, f"frame {i}: bmv2 sent {got}, the emulator {want}"
+        return want
+
+    same_frames(scenario())
+    # ECN marking (R-E1): one frame at a time leaves every queue empty, so a threshold of 0 makes both
+    # switches mark every ECN-capable packet (set through the control plane on both)
+    for at in (grpc, address):
+        with SwitchControl(at, install_pipeline=False) as ctl:
+            ctl.set_ecn_threshold(0)
+    server.stop(0)
+    frames = marking_scenario()
+    sent = same_frames(frames[:1])
+    assert sent == [(3, frames[0][1])]                              # Not-ECT: never marked
+    (_, ack), = same_frames(frames[-1:])
+    assert ack[15] & spec.ECN_MASK == spec.CE                       # the answer, ECT(0), left marked
+    same_frames(frames[1:-1])
     with SwitchControl(grpc, install_pipeline=False) as ctl:
         ctl.jobs = [plan]     # this session did not install the job; its plan says where its counters are
         bmv2_stats = {name: n for name, n in ctl.stats().items() if n}

@@ -11,6 +11,7 @@ from zerosum import protocol as P, spec
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.emulator.pipeline import Switch
 from zerosum.reference import reference_allreduce
+from zerosum.switch_p4 import layout
 from zerosum.switch_p4.layout import ELEMENTS
 
 import netsim
@@ -219,6 +220,39 @@ def test_forwarded_frames_keep_their_checksum_and_vlan_frames_are_not_aggregated
     ip = Ether(reply)[IP]
     sent, ip.chksum = ip.chksum, None
     assert IP(bytes(ip)).chksum == sent and sw.stats == {"joins": 1}    # a reply's is recomputed
+
+
+def test_a_round_echoes_ce_in_its_result_and_answers_are_sent_ect0(sw):
+    """R-E1: a contribution marked CE flags the round's RESULT to every worker; the switch sends its
+    answers ECT(0) (the mark travels in the flag, not in the answer's own ECN bits)."""
+    for r in range(2):
+        boot(sw, r, 1)
+    run(sw, frame(0, ZeroSum(rank=0), ZeroSumEntry(slot=0, block=1, next=P.END), tos=spec.CE), 1)
+    out = parsed(run(sw, frame(1, ZeroSum(rank=1), ZeroSumEntry(slot=0, block=1, next=P.END), tos=spec.ECT0), 2))
+    assert sorted(p for p, _, _ in out) == [1, 2]
+    for _, result, ip in out:
+        assert result.header.type == P.RESULT and result.flags[0] == P.CONGESTION and ip.tos == spec.ECT0
+
+
+@pytest.mark.parametrize("tos,marked", [(spec.ECT0, True), (0b01, True), (spec.NOT_ECT, False), (spec.CE, False)])
+def test_the_egress_marks_ecn_capable_packets_ce_over_its_threshold(sw, tos, marked):
+    """RFC 3168: a queue at or over the threshold marks CE on ECT(0) and ECT(1), never on Not-ECT; a
+    forwarded frame's checksum is updated incrementally, so a header with options stays valid."""
+    from scapy.layers.inet import IPOption_Router_Alert
+    f = bytes(Ether(dst="00:00:00:00:00:02") / IP(src=ip_of(0), dst=ip_of(1), tos=tos,
+                                                 options=[IPOption_Router_Alert()]) / UDP(sport=5, dport=6) / b"x")
+    sw.queued[2] = layout.ECN_THRESHOLD - 1
+    assert sw.process(f, 1) == [(2, f)]                             # under the threshold: as it came
+    sw.queued[2] = layout.ECN_THRESHOLD
+    (port, out), = sw.process(f, 1)
+    ip = Ether(out)[IP]
+    assert port == 2 and ip.tos == (spec.CE if marked else tos)
+    sent, ip.chksum = ip.chksum, None
+    assert IP(bytes(ip)).chksum == sent                             # the checksum (over the options) is right
+    # an answer is marked on its way out too: a JOIN_ACK that leaves a congested port 1
+    sw.queued = {1: layout.ECN_THRESHOLD}
+    (_, ack, ip), = parsed(join(sw, 0))
+    assert ack.header.type == P.JOIN_ACK and ip.tos == spec.CE
 
 
 def test_a_job_not_configured_is_refused_and_counted_per_job(sw):
