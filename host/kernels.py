@@ -378,20 +378,32 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
 
 
 @njit(**JIT)
-def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted):
-    """The ready columns, grouped by aggregator (in `cols`), with their timers started; returns the count.
-    Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's window)."""
+def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted, budget):
+    """The ready columns, grouped by aggregator (in `cols`), with their timers started. Columns from
+    `admitted` on stay ready unless their round is the bootstrap (the worker's window, R-L6), and so do
+    those past the first `budget` columns past their bootstrap (the pacer, R-C7). Returns (columns
+    taken, how many of them are past their bootstrap, whether the budget held any back)."""
     S = ready.shape[0]
     k = 0
+    paced = 0
+    held = False
     for a in range(aggregators):
         for c in range(a, S, aggregators):
-            if ready[c] and (c < admitted or round_block[c] == BOOT):
-                ready[c] = False
-                cols[k] = c
-                deadline[c] = now + rto[c]
-                sent_at[c] = now
-                k += 1
-    return k
+            if not ready[c]:
+                continue
+            if round_block[c] != BOOT:
+                if c >= admitted:
+                    continue
+                if paced >= budget:
+                    held = True
+                    continue
+                paced += 1
+            ready[c] = False
+            cols[k] = c
+            deadline[c] = now + rto[c]
+            sent_at[c] = now
+            k += 1
+    return k, paced, held
 
 
 @njit(**JIT)
@@ -490,14 +502,17 @@ class WorkerState(NamedTuple):
 # f[]: timing and the congestion window
 (F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
- F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH) = range(21)
+ F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT) = range(23)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
- I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED) = range(28)
+ I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD) = range(30)
+N_F, N_I = 23, 30
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
-# measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6)
+# measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
+# bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
+# ready for want of credit (R-C7)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -688,6 +703,76 @@ def on_spurious(st, entries, now):
         i[I_REO_MULT] = min(i[I_REO_MULT] + 1, MAX_REORDER_MULT)
 
 
+# -- the pacer (docs/protocol.md, R-C7) ------------------------------------------------------------------
+
+PACING_GAIN_SLOW_START = 2.0   # R-C7: Linux's sk_pacing_rate in slow start (tcp_pacing_ss_ratio, 200 %)
+PACING_GAIN = 1.2              # R-C7: and in congestion avoidance (tcp_pacing_ca_ratio, 120 %)
+PACING_QUANTUM = 0.001         # R-C7: the bucket holds 1 ms at the pacing rate (Linux's tcp_tso_autosize,
+#                                sk_pacing_shift 10), the driver loop's wait being whole milliseconds (poll)
+PACING_MIN_DATAGRAMS = 2       # R-C7: and at least two full datagrams (Linux's tcp_min_tso_segs)
+_PACE_SLACK = 1e-3             # of a column: what float rounding may leave short at the pacer's own time
+
+
+@njit(inline="always", **JIT)
+def pacing_rate(st):
+    """R-C7: the pacer's rate in bytes per second, gain x cwnd / srtt (RFC 9002, section 7.7; the gains
+    are Linux's tcp_update_pacing_rate: twice the window per round trip while the window is under half
+    of ssthresh, as slow start doubles it, 1.2 times after); inf when there is no pacer (no congestion
+    window) or no round-trip sample yet."""
+    f = st.f
+    if not st.i[I_PACING] or not st.i[I_HAS_SRTT] or f[F_SRTT] <= 0.0:
+        return np.inf
+    gain = PACING_GAIN_SLOW_START if f[F_CWND] < 0.5 * f[F_SSTHRESH] else PACING_GAIN
+    return gain * f[F_CWND] / f[F_SRTT]
+
+
+@njit(inline="always", **JIT)
+def pacing_burst(st, rate):
+    """R-C7: the bucket's size in bytes: 1 ms at `rate`, and at least two full datagrams of entries."""
+    i = st.i
+    entry = i[I_ENTRY]
+    per_datagram = max(1, min(i[I_MAX_ENTRIES], (min(i[I_MAX_DATAGRAM], P.MAX_DATAGRAM) - HDR) // entry))
+    return max(rate * PACING_QUANTUM, np.float64(PACING_MIN_DATAGRAMS * per_datagram * entry))
+
+
+@njit(inline="always", **JIT)
+def pace_budget(st, now):
+    """R-C7: how many columns past their bootstrap may be sent now: the bucket, filled at the pacing rate
+    since the last look and at most pacing_burst, holds one column's entry (the window's unit, R-C5) per
+    column; the round-trip share of the window, spread out (RFC 9002's leaky bucket). Without a pacer,
+    every column."""
+    S = st.round_block.shape[0]
+    rate = pacing_rate(st)
+    if not np.isfinite(rate):
+        return S
+    f = st.f
+    elapsed = max(0.0, now - f[F_PACE_AT])
+    f[F_PACE_CREDIT] = min(pacing_burst(st, rate), f[F_PACE_CREDIT] + rate * elapsed)
+    f[F_PACE_AT] = max(f[F_PACE_AT], now)
+    return min(S, np.int64(f[F_PACE_CREDIT] / st.i[I_ENTRY] + _PACE_SLACK))
+
+
+@njit(inline="always", **JIT)
+def paced(st, columns, held):
+    """R-C7: `columns` past their bootstrap were sent (their entries leave the bucket); `held`: some
+    stayed ready for want of credit, so the pacer's timer is set."""
+    if st.i[I_PACING]:
+        st.f[F_PACE_CREDIT] = max(0.0, st.f[F_PACE_CREDIT] - columns * st.i[I_ENTRY])
+    st.i[I_PACE_HELD] = held
+
+
+@njit(inline="always", **JIT)
+def pace_timer(st):
+    """R-C7: when the bucket holds the next column's entry, if the last flush held columns back; else inf."""
+    if not st.i[I_PACE_HELD]:
+        return np.inf
+    f = st.f
+    rate = pacing_rate(st)
+    if not np.isfinite(rate):
+        return f[F_PACE_AT]     # (cannot happen once a round trip was measured)
+    return f[F_PACE_AT] + max(0.0, st.i[I_ENTRY] - f[F_PACE_CREDIT]) / rate
+
+
 @njit(inline="always", **JIT)
 def receive_one(st, b, n, aggregator, now, ce):
     """One datagram from aggregator index `aggregator` (`ce`: it arrived marked Congestion Experienced):
@@ -776,25 +861,36 @@ def encode_columns(st, ncols):
 @njit(inline="always", **JIT)
 def flush_ready(st, now):
     """The next round's entries of every column that got its result since the last flush (R-A8), within
-    the window (R-L6); returns the number of datagrams built (st.cuts)."""
+    the window (R-L6) and as far as the pacer lets them go (R-C7); returns the number of datagrams built
+    (st.cuts)."""
     S = st.round_block.shape[0]
     detect_loss(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
-    n = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now, st.round_block,
-                   st.i[I_ADMITTED])
+    n, columns, held = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now,
+                                  st.round_block, st.i[I_ADMITTED], pace_budget(st, now))
+    paced(st, columns, held)
     return encode_columns(st, n) if n else 0
 
 
 @njit(inline="always", **JIT)
-def timer(st):
-    """When the machine next needs poll(): a column's timer expired while its aggregator is quiet, or
+def recovery_timer(st):
+    """When loss recovery next needs poll(): a column's timer expired while its aggregator is quiet, or
     the allreduce timed out (R-L1, R-L2, R-L5); inf when done."""
     if st.i[I_REMAINING] == 0:
         return np.inf
     t = next_timer(st.round_block, st.deadline, st.probe.shape[0], st.last_heard, st.f[F_BASE_RTO], st.probe,
                    st.loss_confirmed)
     return min(t, st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT])
+
+
+@njit(inline="always", **JIT)
+def timer(st):
+    """When the machine next needs a look: loss recovery's timer (poll), or the pacer's next send (flush,
+    R-C7); inf when done."""
+    if st.i[I_REMAINING] == 0:
+        return np.inf
+    return min(recovery_timer(st), pace_timer(st))
 
 
 @njit(**JIT)
@@ -837,7 +933,8 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
     Returns (outcome, n, i, off) where Python must step in: DONE, TIMER (poll: retransmissions or the
     timeout), PROBE (a datagram arrived from an aggregator with a probe out: i[I_EVENT_AGG]; the batch
     goes on from (i, off)), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
-    `room`: grow the sink, then go on from (i, off))."""
+    `room`: grow the sink, then go on from (i, off)). The pacer's timer (R-C7) is the loop's own: it
+    wakes the loop, whose next flush_ready sends what the pacer held back."""
     A = keys.shape[0]
     st, rx, tx = _raw_state(st), T.raw_rx(rx), T.raw_tx(tx)
     wait = 0
@@ -882,8 +979,10 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
             T.send(fd, tx)
         if st.i[I_REMAINING] == 0:
             return DONE, 0, 0, 0
-        t = timer(st)
+        t = recovery_timer(st)
         now = T.monotonic(rx.clock)
         if now >= t:
             return TIMER, 0, 0, 0
-        wait = 0 if n == rx.length.shape[0] else max(1, np.int64(min(1000.0, math.ceil((t - now) * 1000.0))))
+        t = min(t, pace_timer(st))            # the pacer's columns go out here, in the next flush_ready
+        wait = (0 if n == rx.length.shape[0] or t <= now else
+                max(1, np.int64(min(1000.0, math.ceil((t - now) * 1000.0)))))

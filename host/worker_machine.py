@@ -65,6 +65,7 @@ class WorkerConfig:
     window: int | str | None = None
     congestion: bool = True
     delay_target: float = DELAY_TARGET   # R-C3: queueing delay the congestion window allows, in seconds
+    pacing: bool = True      # R-C7: the congestion window's sends are paced (False: bursts, to compare)
     silence: float | None = None  # R-L7: an aggregator quiet this long while awaited is gone (None: only timeout)
 
 
@@ -220,11 +221,12 @@ class AllreduceMachine:
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
-                        0.0, 0.0, 0.0, np.nan], np.float64),
-            i=np.zeros(28, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+                        0.0, 0.0, 0.0, np.nan, 0.0, -np.inf], np.float64),
+            i=np.zeros(K.N_I, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
         i[K.I_CONGESTION] = congestion
+        i[K.I_PACING] = congestion and config.pacing
         i[K.I_REO_MULT] = 1 if fresh else path.reorder
         i[K.I_ENTRY] = entry
         i[K.I_ADMITTED] = S if window >= S else 0
@@ -278,6 +280,12 @@ class AllreduceMachine:
         return int(self.st.i[K.I_DELAY_CUTS]), int(self.st.i[K.I_LOSS_CUTS])
 
     @property
+    def pacing(self) -> tuple[float, float]:
+        """The pacer's rate in bytes per second and its bucket in bytes (R-C7); (inf, inf) when off."""
+        rate = float(K.pacing_rate(self.st))
+        return (rate, float(K.pacing_burst(self.st, rate))) if np.isfinite(rate) else (np.inf, np.inf)
+
+    @property
     def ecn_marks(self) -> int:
         """Datagrams that came with an ECN mark, echoed in the CONGESTION flag or their own CE (R-C6)."""
         return int(self.st.i[K.I_MARKS])
@@ -319,7 +327,8 @@ class AllreduceMachine:
 
     def timer(self) -> float:
         """When `datagrams_to_send` has retransmissions: a column's timer expired *and* its aggregator
-        has been quiet (docs/protocol.md, "Loss recovery"), or when the allreduce times out.
+        has been quiet (docs/protocol.md, "Loss recovery"), or when the allreduce times out; or, earlier,
+        when the pacer lets the columns it held back go (R-C7).
 
         Retransmitting while results still stream in would only add load to a busy aggregator: a lost
         datagram's columns are retried once the aggregator falls silent.
