@@ -364,7 +364,9 @@ class AllreduceMachine:
         return self._datagrams(K.flush_ready(self.st, now))
 
     def poll(self, now: float) -> list[tuple[int, memoryview]]:
-        """Retransmit what the timers say is lost; raise ZeroSumTimeout when progress stopped.
+        """What the machine's timer is for: retransmit what the timers say is lost, raise ZeroSumTimeout
+        when progress stopped; or, while loss recovery's timer is still ahead, send the columns the pacer
+        held back (R-C7).
 
         A column's timer expiring while its aggregator is quiet means a loss *or* a round that waits
         for a slower worker; only a reply tells them apart. So the first expired column of a quiet
@@ -376,6 +378,8 @@ class AllreduceMachine:
         if self.done:
             return []
         st = self.st
+        if st.i[K.I_PACE_HELD] and now < K.recovery_timer(st):
+            return self.flush(now)
         if self.last_progress + self.cfg.timeout <= now:   # R-L5; the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
         self._check_silence(now)

@@ -35,19 +35,41 @@ class Link:
     free_at: float = 0.0   # when the last queued datagram has left
     dropped: int = 0
     carried: int = 0       # bytes that got through
+    peak_queue: float = 0.0  # the most bytes the queue held (the datagram being sent included)
+    bursts: list = None    # (time, bytes): what was put on the link at one instant, after `watch_from`
+    watch_from: float = 0.0
+    burst_at: float = -1.0
 
     def send(self, now: float, size: int) -> float | None:
         """When a datagram of `size` bytes put on the link at `now` arrives; None: dropped."""
         size += IP_UDP
+        self._count_burst(now, size)
         backlog = max(0.0, self.free_at - now) * self.rate
         if backlog + size > self.queue:
             self.dropped += 1
             return None
+        self.peak_queue = max(self.peak_queue, backlog + size)
         self.free_at = max(now, self.free_at) + size / self.rate
         self.carried += size
         if self.loss and self.rng.random() < self.loss:
             return None
         return self.free_at + self.delay
+
+    def _count_burst(self, now: float, size: int) -> None:
+        if now < self.watch_from:
+            return
+        if self.bursts is None:
+            self.bursts = []
+        if now == self.burst_at:
+            self.bursts[-1] = (now, self.bursts[-1][1] + size)
+        else:
+            self.bursts.append((now, size))
+            self.burst_at = now
+
+    @property
+    def largest_burst(self) -> int:
+        """The most bytes put on the link at one instant (from `watch_from` on)."""
+        return max((b for _, b in self.bursts or ()), default=0)
 
 
 @dataclass
@@ -58,28 +80,30 @@ class Run:
     downlinks: list
     finished: float                  # simulated seconds until the last worker was done
     windows: list                    # per worker, (time, congestion window in bytes) after every event
+    buckets: list                    # per worker, (time, the pacer's bucket in bytes) after every event (R-C7)
 
 
 def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int = 256,
               max_datagram: int = 1472, window="auto", congestion: bool = True, delay_target: float = 0.005,
               path=None, changes=(), slots: int | None = None, until: float = 60.0, loss: float = 0.0,
-              seed: int = 0) -> Run:
+              seed: int = 0, pacing: bool = True, watch_from: float = 0.0) -> Run:
     """One allreduce of `arrays` (one per rank) through one aggregator over links of `rate` bytes/s,
     `delay` seconds and `queue` bytes in each direction. `changes`: (time, rate) pairs that set every
     link's rate from that time on. `path`: PathEstimate per rank from an earlier run (or None). `loss`:
-    the chance that a link loses a datagram it carried (random loss, not congestion)."""
+    the chance that a link loses a datagram it carried (random loss, not congestion). `pacing`:
+    WorkerConfig.pacing. `watch_from`: the links list their bursts from this time on (Link.bursts)."""
     rng = np.random.default_rng(seed)
     world = len(arrays)
     agg = AggregatorMachine(1, world, slots=slots or 4096)
     granted = join_all([agg], world, block_size)
-    ups = [Link(rate, delay, queue, loss, rng) for _ in range(world)]
-    downs = [Link(rate, delay, queue, loss, rng) for _ in range(world)]
-    machines, windows = [], [[] for _ in range(world)]
+    ups = [Link(rate, delay, queue, loss, rng, watch_from=watch_from) for _ in range(world)]
+    downs = [Link(rate, delay, queue, loss, rng, watch_from=watch_from) for _ in range(world)]
+    machines, windows, buckets = [], [[] for _ in range(world)], [[] for _ in range(world)]
     for r, x in enumerate(arrays):
         source = BlockSource.dense(np.ascontiguousarray(x).reshape(-1), block_size)
         cfg = WorkerConfig(rank=r, world=world, job=1, max_datagram=max_datagram, timeout=30.0,
                            block_size=block_size, window=window, congestion=congestion,
-                           delay_target=delay_target)
+                           delay_target=delay_target, pacing=pacing)
         machines.append(AllreduceMachine(cfg, 1, source, Layout(1, granted, source.nblocks),
                                          DenseResult(np.zeros(x.size, x.dtype)),
                                          path=None if path is None else path[r]))
@@ -97,6 +121,7 @@ def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int 
             if arrival is not None:
                 at(arrival, "agg", r, bytes(d))
         windows[r].append((now, machines[r].cwnd))
+        buckets[r].append((now, machines[r].pacing[1]))
         t = machines[r].timer()
         if np.isfinite(t):
             at(max(t, now), "timer", r)
@@ -128,4 +153,4 @@ def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int 
             if kind == "worker" or now >= m.timer():
                 worker_sends(r, now, m.datagrams_to_send(now))
     outs = [m.output.flat.reshape(arrays[0].shape) for m in machines]
-    return Run(outs, machines, ups, downs, now, windows)
+    return Run(outs, machines, ups, downs, now, windows, buckets)

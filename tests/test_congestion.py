@@ -1,4 +1,4 @@
-"""The congestion window (docs/protocol.md, R-C1..R-C5): the rules one by one on the kernels, and whole
+"""The congestion window (docs/protocol.md, R-C1..R-C7): the rules one by one on the kernels, and whole
 allreduces over timed links of given rate, delay and queue (tests/linksim.py)."""
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from zerosum.layout import Layout
 from zerosum.reference import reference_allreduce
 from zerosum.worker_machine import AllreduceMachine, WorkerConfig
 
-from linksim import run_timed
+from linksim import IP_UDP, run_timed
 from netsim import run
 from test_machines import sparse_arrays
 
@@ -250,6 +250,78 @@ def test_fixed_or_no_window_has_no_controller():
     assert m.window_cuts == (0, 0) and m.window_columns == 5
 
 
+def rounds_ready(srtt=0.01, cwnd=40, now=1.0, **cfg):
+    """A machine (one entry per datagram) whose 64 columns all wait to send their first round past the
+    bootstrap, with a measured round trip and a window of `cwnd` entries."""
+    cfg.setdefault("max_datagram", 1472)
+    m = machine(**cfg)
+    m.begin(now)
+    st = m.st
+    st.round_block[:] = np.arange(64)                               # column c's round: its own block c
+    st.round_exp[:] = 1
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = srtt, 1
+    if st.i[K.I_CONGESTION]:
+        st.f[K.F_CWND] = cwnd * ENTRY
+        K.set_window(st)
+    return m
+
+
+def sent(m, now, call="flush"):
+    """How many columns a flush (or poll) at `now` sends."""
+    before = int(m.ready.sum())
+    getattr(m, call)(now)
+    return before - int(m.ready.sum())
+
+
+def test_the_pacer_sends_the_bucket_then_one_column_per_interval():
+    """R-C7: slow start (cwnd under half of ssthresh) paces at twice the window per round trip: 40 entries
+    per 10 ms is 8,000 per second, so the bucket holds 1 ms of it, 8 entries (more than two datagrams);
+    the rest of the window stays ready, and the machine's timer is the time the next column's entry is in
+    the bucket, where flush and poll (the timer's call) send one."""
+    m = rounds_ready()
+    rate, bucket = m.pacing
+    assert rate == pytest.approx(2 * 40 * ENTRY / 0.01) and bucket == pytest.approx(8 * ENTRY)
+    assert sent(m, 1.0) == 8 and int(m.ready.sum()) == 56
+    interval = 1 / 8000
+    assert m.timer() == pytest.approx(1.0 + interval)
+    assert sent(m, 1.0 + 0.5 * interval) == 0 and m.timer() == pytest.approx(1.0 + interval)
+    assert sent(m, m.timer(), call="poll") == 1 and m.timer() == pytest.approx(1.0 + 2 * interval)
+    assert sent(m, 1.0 + 2 * interval) == 1
+    assert sent(m, 1.1) == 8                                        # an idle while fills the bucket, no more
+    assert m.retransmitted == 0 and m.probes == 0
+
+
+def test_the_pacer_runs_at_1_2_times_the_window_after_slow_start_and_sends_two_datagrams_at_least():
+    m = rounds_ready(srtt=0.05, cwnd=20)
+    m.st.f[K.F_SSTHRESH] = 30 * ENTRY                               # over half of ssthresh: 1.2x (Linux)
+    rate, bucket = m.pacing
+    assert rate == pytest.approx(1.2 * 20 * ENTRY / 0.05)           # 0.48 entries per ms:
+    assert bucket == 2 * ENTRY                                      # two datagrams of one entry
+    assert sent(m, 1.0) == 2 and m.timer() == pytest.approx(1.0 + ENTRY / rate)
+    wide = rounds_ready(srtt=0.05, cwnd=20, max_datagram=P.MAX_DATAGRAM)
+    per_datagram = (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // ENTRY
+    assert wide.pacing[1] == 2 * per_datagram * ENTRY               # two full datagrams: the window is less
+    assert sent(wide, 1.0) == 20
+
+
+def test_no_pacing_before_a_round_trip_sample_or_without_the_congestion_window():
+    m = rounds_ready()
+    m.st.i[K.I_HAS_SRTT] = 0
+    assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == 40      # the window alone limits
+    for cfg, window in ((dict(window=None), 64), (dict(window=40 * ENTRY, congestion=False), 40),
+                        (dict(pacing=False), 40)):
+        m = rounds_ready(**cfg)
+        assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == window, cfg
+        assert m.timer() == K.recovery_timer(m.st)
+
+
+def test_bootstrap_entries_are_not_paced():
+    """R-C7 paces what the window holds (R-L6): the bootstrap round of every column goes at once."""
+    m = rounds_ready()
+    m.st.round_block[:] = P.BOOT
+    assert sent(m, 1.0) == 64 and m.timer() == K.recovery_timer(m.st)
+
+
 def dense(world=4, n=1 << 18, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
@@ -315,6 +387,48 @@ def test_the_window_carries_over_to_the_next_allreduce():
     second = run_timed(arrays, path=paths, **link)
     assert [w[0][1] for w in second.windows] == [p.cwnd for p in paths]     # not the initial window again
     assert all(p.cwnd > 2 * K.INITIAL_WINDOW * ENTRY for p in paths), [p.cwnd / ENTRY for p in paths]
+
+
+def test_paced_sends_keep_a_shallow_queue_from_overflowing():
+    """R-C7 on 50 Mbit/s links with 10 ms round trips and a 40 kB queue (6 ms: a switch port's, not a
+    shaper's): the second allreduce starts with the window the first learnt (about 50 entries). Unpaced,
+    its first rounds after the bootstrap leave as one burst of the whole window, which overflows the
+    queue; paced, no link queue sees more at once than the pacer's bucket, nothing is lost, and the
+    allreduce is exact and no slower. (The bootstrap at time 0 is not paced, and not counted.)"""
+    arrays = dense()
+    link = dict(rate=50 * MBIT, delay=0.005, queue=40_000)
+    paths = [m.path for m in run_timed(arrays, **link).machines]
+    paced = run_timed(arrays, path=paths, watch_from=1e-9, **link)
+    bursts = run_timed(arrays, path=paths, pacing=False, watch_from=1e-9, **link)
+    ref = reference_allreduce(arrays, B)
+    assert all(np.array_equal(o, ref) for o in paced.outputs + bursts.outputs)
+    datagram = ENTRY + P.PACKET_HEADER_SIZE + IP_UDP                # one entry per datagram on the wire
+    window = min(p.cwnd for p in paths) // ENTRY
+    assert window >= 30
+    assert max(l.largest_burst for l in bursts.uplinks) >= window * datagram
+    assert sum(l.dropped for l in bursts.uplinks) > 0
+    assert sum(l.dropped for l in paced.uplinks + paced.downlinks) == 0
+    assert sum(m.retransmitted for m in paced.machines) == 0
+    for link_, buckets in zip(paced.uplinks, paced.buckets):
+        allowed = {}
+        for t, bucket in buckets:
+            allowed[t] = max(allowed.get(t, 0), int(bucket / ENTRY + 1e-3))
+        assert all(size <= allowed[t] * datagram for t, size in link_.bursts)
+    assert max(l.largest_burst for l in paced.uplinks) <= window // 4 * datagram
+    assert paced.finished <= 1.02 * bursts.finished
+
+
+@pytest.mark.parametrize("delay,queue", [(1e-4, int(50 * MBIT * 0.05)), (0.005, int(50 * MBIT * 0.05))])
+def test_pacing_costs_no_time_behind_a_deep_queue(delay, queue):
+    """A tbf-like 50 ms queue absorbs the bursts: pacing changes little there, and costs no time."""
+    arrays = dense(n=1 << 17)
+    link = dict(rate=50 * MBIT, delay=delay, queue=queue)
+    for path in (None, [m.path for m in run_timed(arrays, **link).machines]):
+        paced = run_timed(arrays, path=path, **link)
+        bursts = run_timed(arrays, path=path, pacing=False, **link)
+        assert paced.finished <= 1.02 * bursts.finished
+        ref = reference_allreduce(arrays, B)
+        assert all(np.array_equal(o, ref) for o in paced.outputs)
 
 
 @pytest.mark.parametrize("seed", range(3))
