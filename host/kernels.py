@@ -378,16 +378,19 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
 
 
 @njit(**JIT)
-def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted, budget):
-    """The ready columns, grouped by aggregator (in `cols`), with their timers started. Columns from
-    `admitted` on stay ready unless their round is the bootstrap (the worker's window, R-L6), and so do
-    those past the first `budget` columns past their bootstrap (the pacer, R-C7). Returns (columns
-    taken, how many of them are past their bootstrap, whether the budget held any back)."""
+def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted, budget, first):
+    """The ready columns, grouped by aggregator from aggregator `first` on (in `cols`), with their timers
+    started. Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's
+    window, R-L6), and so do those past the first `budget` columns past their bootstrap (the pacer, R-C7).
+    Returns (columns taken, how many of them are past their bootstrap, whether the budget held any back,
+    the aggregator after the last one whose column was taken past its bootstrap: where to go on)."""
     S = ready.shape[0]
     k = 0
     paced = 0
     held = False
-    for a in range(aggregators):
+    resume = first
+    for j in range(aggregators):
+        a = (first + j) % aggregators
         for c in range(a, S, aggregators):
             if not ready[c]:
                 continue
@@ -398,12 +401,13 @@ def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_bloc
                     held = True
                     continue
                 paced += 1
+                resume = (a + 1) % aggregators
             ready[c] = False
             cols[k] = c
             deadline[c] = now + rto[c]
             sent_at[c] = now
             k += 1
-    return k, paced, held
+    return k, paced, held, resume
 
 
 @njit(**JIT)
@@ -507,12 +511,12 @@ class WorkerState(NamedTuple):
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
- I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD) = range(30)
-N_F, N_I = 23, 30
+ I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM) = range(31)
+N_I = I_PACE_FROM + 1
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
-# ready for want of credit (R-C7)
+# ready for want of credit; I_PACE_FROM: the aggregator whose columns the next flush takes first (R-C7)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -753,12 +757,15 @@ def pace_budget(st, now):
 
 
 @njit(inline="always", **JIT)
-def paced(st, columns, held):
-    """R-C7: `columns` past their bootstrap were sent (their entries leave the bucket); `held`: some
-    stayed ready for want of credit, so the pacer's timer is set."""
-    if st.i[I_PACING]:
-        st.f[F_PACE_CREDIT] = max(0.0, st.f[F_PACE_CREDIT] - columns * st.i[I_ENTRY])
-    st.i[I_PACE_HELD] = held
+def pace_sent(st, columns, held, resume):
+    """R-C7: `columns` past their bootstrap were sent (their entries leave the bucket); `held`: some stayed
+    ready for want of credit, so the pacer's timer is set, and the next flush begins with aggregator
+    `resume`'s columns (round robin: the first aggregators' columns do not always go first)."""
+    i = st.i
+    if i[I_PACING]:
+        st.f[F_PACE_CREDIT] = max(0.0, st.f[F_PACE_CREDIT] - columns * i[I_ENTRY])
+    i[I_PACE_HELD] = held
+    i[I_PACE_FROM] = resume if held else 0
 
 
 @njit(inline="always", **JIT)
@@ -867,9 +874,10 @@ def flush_ready(st, now):
     detect_loss(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
-    n, columns, held = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now,
-                                  st.round_block, st.i[I_ADMITTED], pace_budget(st, now))
-    paced(st, columns, held)
+    n, columns, held, resume = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto,
+                                          now, st.round_block, st.i[I_ADMITTED], pace_budget(st, now),
+                                          st.i[I_PACE_FROM])
+    pace_sent(st, columns, held, resume)
     return encode_columns(st, n) if n else 0
 
 

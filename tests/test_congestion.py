@@ -20,12 +20,13 @@ ENTRY = P.ENTRY_SIZE + 4 * B
 MBIT = 1e6 / 8
 
 
-def machine(columns=64, **cfg):
+def machine(columns=64, aggregators=1, **cfg):
     cfg.setdefault("window", "auto")
     x = np.ones(columns * B, np.float32)
     source = BlockSource.dense(x, B)
     config = WorkerConfig(rank=0, world=2, job=1, block_size=B, **cfg)
-    return AllreduceMachine(config, 1, source, Layout(1, columns, source.nblocks), DenseResult(np.zeros_like(x)))
+    return AllreduceMachine(config, 1, source, Layout(aggregators, columns // aggregators, source.nblocks),
+                            DenseResult(np.zeros_like(x)))
 
 
 def test_initial_window_and_slow_start():
@@ -268,9 +269,13 @@ def rounds_ready(srtt=0.01, cwnd=40, now=1.0, **cfg):
 
 def sent(m, now, call="flush"):
     """How many columns a flush (or poll) at `now` sends."""
-    before = int(m.ready.sum())
+    return len(sent_columns(m, now, call))
+
+
+def sent_columns(m, now, call="flush"):
+    before = m.ready.copy()
     getattr(m, call)(now)
-    return before - int(m.ready.sum())
+    return np.flatnonzero(before & ~m.ready).tolist()
 
 
 def test_the_pacer_sends_the_bucket_then_one_column_per_interval():
@@ -313,6 +318,16 @@ def test_no_pacing_before_a_round_trip_sample_or_without_the_congestion_window()
         m = rounds_ready(**cfg)
         assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == window, cfg
         assert m.timer() == K.recovery_timer(m.st)
+
+
+def test_the_pacer_takes_turns_among_aggregators():
+    """Columns c of aggregator c mod 2: once the bucket held some back, the next flush begins with the
+    aggregator after the last one served, so aggregator 0's columns do not always go first."""
+    m = rounds_ready(aggregators=2)
+    assert sent_columns(m, 1.0) == list(range(0, 16, 2))            # the bucket: 8 of aggregator 0
+    assert sent_columns(m, m.timer()) == [1]                        # then aggregator 1's turn
+    assert sent_columns(m, m.timer()) == [16]
+    assert sent_columns(m, m.timer()) == [3]
 
 
 def test_bootstrap_entries_are_not_paced():
