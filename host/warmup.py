@@ -14,6 +14,7 @@ import itertools
 
 import numpy as np
 
+from . import kernels as K
 from .aggregator_machine import AggregatorMachine
 from .blocks import BlockSource, CollectedBlocks, DenseResult
 from .layout import Layout
@@ -49,6 +50,7 @@ def warm_up() -> None:
             pending = m.start(0.0)
             while not m.done:
                 m.timer()
+                K.recovery_timer(m.st)        # (what poll asks while the pacer holds columns back, R-C7)
                 for _, d in pending:
                     d = buffer(d)
                     agg.receive(d, "w", 0.0)
@@ -72,7 +74,6 @@ def _warm_up_transport(B: int) -> None:
     from numba import typed
 
     from . import aggregator_kernels as AK
-    from . import kernels as K
     from . import transport as T
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         if not T.detect(probe).batched:
