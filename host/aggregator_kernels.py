@@ -25,9 +25,9 @@ from . import transport as T
 from .transport import CE, ECN_MASK
 from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_REASONS, END, ENT, H_BLOCK_SIZE, H_EPOCH,
                    H_ENTRIES, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, H_WORLD, HAS_DATA, HDR,
-                   JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, CONGESTION, DATA_FLAGS, check_entries,
-                   check_slots,
-                   copy_swapped, get16, get32, put_entry, put_header, read_entry, swap32)
+                   JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, CONGESTION, DATA_FLAGS,
+                   check_entries, check_slots, copy_swapped, get16, get32, put_entry, put_header, read_entry,
+                   swap32)
 
 # Slot registers: columns of the `regs` array (the P4 program's register names).
 (SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,

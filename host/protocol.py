@@ -16,9 +16,8 @@ import numpy as np
 
 from . import spec, wire
 from .spec import (AGGREGATOR_RANK, BOOT, CONGESTION, DEFAULT_PORT, END, FEATURE_LEAVE, FEATURE_MULTICAST, HAS_DATA,
-                   INT_EXP, JOIN_MAC_SIZE,
-                   MAX_DATAGRAM, MAX_WORLD, NO_EXP, REFUSED_CONFLICT, REFUSED_FULL, REFUSED_UNKNOWN_JOB,
-                   VERSION)
+                   INT_EXP, JOIN_MAC_SIZE, MAX_DATAGRAM, MAX_WORLD, NO_EXP, REFUSED_CONFLICT, REFUSED_FULL,
+                   REFUSED_UNKNOWN_JOB, VERSION)
 
 # Packet types (spec.TYPES): JOIN worker -> aggregator, register (job, rank) at this address; JOIN_ACK
 # aggregator -> worker, ranks joined so far and slots granted; DATA worker -> aggregator, one

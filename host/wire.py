@@ -83,8 +83,8 @@ def put_header(b, pos, ptype, job, rank, world, epoch, tensor_blocks, block_size
 @njit(inline="always", **JIT)
 def read_entry(b, e):
     """The entry header at offset e: (slot, has data, block, next, exp, next_exp)."""
-    return get16(b, e + E_SLOT), (get16(b, e + E_FLAGS) & HAS_DATA) != 0, get32(b, e + E_BLOCK), get32(b, e + E_NEXT), \
-        get_s16(b, e + E_EXP), get_s16(b, e + E_NEXT_EXP)
+    return get16(b, e + E_SLOT), (get16(b, e + E_FLAGS) & HAS_DATA) != 0, get32(b, e + E_BLOCK), \
+        get32(b, e + E_NEXT), get_s16(b, e + E_EXP), get_s16(b, e + E_NEXT_EXP)
 
 
 @njit(**JIT)
