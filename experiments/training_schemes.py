@@ -1,11 +1,12 @@
 """Training schemes against the wall clock: the torch examples trained with several ways of exchanging
 gradients side by side (zerosum.examples.schemes), on loopback or over rate-limited links.
 
-    sudo python3 experiments/training_schemes.py e6              # compressors, 1 Gbit/s links (~25 min)
+    sudo python3 experiments/training_schemes.py e6              # compressors, 1 Gbit/s links (~25 min a seed)
     sudo python3 experiments/training_schemes.py s1              # local SGD periods
     sudo python3 experiments/training_schemes.py s3              # one-step delayed gradients (s1's run
                                                                  # trains them too and writes S3's section)
-    python3 experiments/training_schemes.py e6 --rate loopback --example mlp --steps 60   # a quick look
+    sudo python3 experiments/training_schemes.py e6 --example mlp   # one model again; the other's results stay
+    python3 experiments/training_schemes.py e6 --rate loopback --example mlp --steps 60 --seeds 0   # a quick look
 
 Each experiment trains the embedding example and the MLP (zerosum.examples.embedding / .mlp) with every
 scheme of its list, one after another in the same processes, from the same initial model on the same
@@ -46,10 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 # The examples' training settings for these runs: Adam, because the embedding example barely moves
-# from log 2 with plain SGD in a few hundred steps (its clicks depend on single rows' hidden weights).
+# from log 2 with plain SGD in a few hundred steps (its clicks depend on single rows' hidden weights);
+# momentum SGD on the MLP, because with plain SGD each rank training alone ('local') reached the loss
+# of every-step ZeroSum at 75 % of its steps with the same samples (the target did not test the
+# exchange), while with momentum 0.9 the averaged gradient's lower noise reaches losses the ranks alone
+# never do. DGC runs plain SGD there: its momentum correction is the momentum (Scheme.carries_momentum).
 MODELS = {
     "embedding": ["--optimizer", "adam", "--lr", "0.01", "--batch", "256"],
-    "mlp": ["--optimizer", "sgd", "--lr", "0.05", "--batch", "128"],
+    "mlp": ["--optimizer", "momentum", "--lr", "0.05", "--batch", "128"],
 }
 
 
@@ -212,36 +217,84 @@ def target_of(reports: list[dict], window: int) -> float:
 
 
 def run_experiment(exp: Experiment, args, extra: list[str]) -> dict:
+    """Every example with every seed (--seeds): one training run each, its own target (every-step
+    ZeroSum's loss at 75 % of its steps in that run), its rows."""
     out = {"experiment": exp.key, "rate": args.rate, "workers": args.workers, "steps": args.steps,
            "warmup": args.warmup, "smooth": args.smooth, "models": {}}
     for example in args.example:
-        print(f"== {exp.key}: {example}, {args.workers} workers, {args.rate}", flush=True)
-        rep = launch(example, args.schemes or exp.schemes, args, extra)
-        target = args.target if args.target is not None else target_of(rep["reports"], args.smooth)
-        rows = [summarize(r, rep["world"], target, args.smooth) for r in rep["reports"]]
-        densities, numel = profile(example, rep["world"], extra)
-        predictions(rows, densities, numel, rep["world"], args.rate)
-        out["models"][example] = {"target": target, "numel": numel,
-                                  "densities": {"own": densities.own, "union": densities.union}, "settings": MODELS[example] + extra, "rows": rows,
-                                  "shaper_drops": rep.get("shaper_drops"),
-                                  "socket_buffer_drops": rep.get("socket_buffer_drops")}
-        print(table(rows, target))
+        densities, numel = profile(example, args.workers, extra)
+        model = {"seeds": args.seeds, "targets": [], "runs": [], "numel": numel,
+                 "densities": {"own": densities.own, "union": densities.union},
+                 "settings": MODELS[example] + extra, "shaper_drops": 0, "socket_buffer_drops": 0}
+        for seed in args.seeds:
+            print(f"== {exp.key}: {example}, {args.workers} workers, {args.rate}, seed {seed}", flush=True)
+            rep = launch(example, args.schemes or exp.schemes, args, extra + ["--seed", str(seed)])
+            target = args.target if args.target is not None else target_of(rep["reports"], args.smooth)
+            rows = [summarize(r, rep["world"], target, args.smooth) for r in rep["reports"]]
+            predictions(rows, densities, numel, rep["world"], args.rate)
+            model["targets"].append(target)
+            model["runs"].append(rows)
+            for k in ("shaper_drops", "socket_buffer_drops"):
+                model[k] = None if rep.get(k) is None else (model[k] or 0) + rep[k]
+            print(table(model["runs"][-1:], [target]))
+        if len(args.seeds) > 1:
+            print(f"== {exp.key}: {example}, over seeds {', '.join(map(str, args.seeds))}")
+            print(table(model["runs"], model["targets"]))
+        out["models"][example] = model
     return out
 
 
-def table(rows: list[dict], target: float) -> str:
-    base = next((r for r in rows if r["scheme"] == "zerosum"), None)
-    lines = [f"| scheme | MB sent / step | MB received / step | step (ms) | loss after {rows[0]['samples']:,} samples "
-             f"| wall-clock to loss {target:.4f} (s) | samples to it | time vs every-step ZeroSum "
+def with_earlier_models(result: dict, path: Path) -> dict:
+    """`result` plus the models of the earlier run written at `path` that this run did not train, when
+    that run had the same settings (rate, workers, steps, warm-up, smoothing): rerunning one model
+    (--example) keeps the other's results in the JSON and the section. Earlier files of one run
+    without seeds are read as seed 0."""
+    if not path.exists():
+        return result
+    earlier = json.loads(path.read_text())
+    same = all(earlier.get(k) == result[k] for k in ("experiment", "rate", "workers", "steps", "warmup", "smooth"))
+    if not same:
+        return result
+    models = {}
+    for name, m in earlier["models"].items():
+        if "runs" not in m:
+            m = {**{k: v for k, v in m.items() if k not in ("rows", "target")},
+                 "seeds": [0], "targets": [m["target"]], "runs": [m["rows"]]}
+        models[name] = m
+    return {**result, "models": {**models, **result["models"]}}
+
+
+def _spread(values, digits: int, suffix: str = "") -> str:
+    """median (min-max) of the values, or the one value."""
+    v = sorted(values)
+    low, high = f"{v[0]:.{digits}f}", f"{v[-1]:.{digits}f}"
+    med = f"{float(np.median(v)):.{digits}f}{suffix}"
+    return med if low == high else f"{med} ({low}-{high})"
+
+
+def table(runs: list[list[dict]], targets: list[float]) -> str:
+    """One row per scheme over the runs (seeds): medians, with (min-max) where the runs differ; times
+    and samples over the runs that reached their target ('k of n' when not all did)."""
+    n = len(runs)
+    target = _spread(targets, 4)
+    lines = [f"| scheme | MB sent / step | MB received / step | step (ms) | loss after {runs[0][0]['samples']:,} samples "
+             f"| wall-clock to loss {target} (s) | samples to it | time vs every-step ZeroSum "
              "| MB sent: predicted (measured / predicted) | step ms: predicted (measured / predicted) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        t, n = r["time_to_target_s"], r["samples_to_target"]
-        ratio = (f"{t / base['time_to_target_s']:.2f}x" if t is not None and base and base["time_to_target_s"]
-                 and r["scheme"] != "local" else "-")
-        lines.append(f"| {r['scheme']} | {r['sent_mb']:.2f} | {r['received_mb']:.2f} | {r['step_ms']:.0f} | "
-                     f"{r['final_loss']:.4f} | {'never' if t is None else f'{t:.1f}'} | "
-                     f"{'never' if n is None else f'{n:,}'} | {ratio} | {_predicted(r, 'sent_mb', 2)} | {_predicted(r, 'step_ms', 0)} |")
+    for i, first in enumerate(runs[0]):
+        rows = [run[i] for run in runs]
+        base = [next((r for r in run if r["scheme"] == "zerosum"), None) for run in runs]
+        hit = [r for r in rows if r["time_to_target_s"] is not None]
+        ratios = [r["time_to_target_s"] / b["time_to_target_s"] for r, b in zip(rows, base)
+                  if r["time_to_target_s"] is not None and b and b["time_to_target_s"] and r["scheme"] != "local"]
+        some = "" if len(hit) == n else f" ({len(hit)} of {n} runs)"
+        reached = "never" if not hit else _spread([r["time_to_target_s"] for r in hit], 1) + some
+        samples = "never" if not hit else f"{int(np.median([r['samples_to_target'] for r in hit])):,}"
+        lines.append(f"| {first['scheme']} | {_spread([r['sent_mb'] for r in rows], 2)} | "
+                     f"{_spread([r['received_mb'] for r in rows], 2)} | {_spread([r['step_ms'] for r in rows], 0)} | "
+                     f"{_spread([r['final_loss'] for r in rows], 4)} | {reached} | {samples} | "
+                     f"{_spread(ratios, 2, 'x') if ratios else '-'} | {_predicted(first, 'sent_mb', 2)} | "
+                     f"{_predicted(first, 'step_ms', 0)} |")
     return "\n".join(lines)
 
 
@@ -259,10 +312,11 @@ def figure(result: dict, example: str, path: Path) -> None:
     import matplotlib.pyplot as plt
     m = result["models"][example]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in m["rows"]:
+    for r in m["runs"][0]:
         ax.plot(r["curve"]["seconds"], r["curve"]["loss"], label=r["scheme"], lw=1.3)
-    ax.axhline(m["target"], color="grey", ls=":", lw=1, label="target")
-    ax.set_title(f"{result['experiment']}, {example}: {result['workers']} workers, {result['rate']}")
+    ax.axhline(m["targets"][0], color="grey", ls=":", lw=1, label="target")
+    ax.set_title(f"{result['experiment']}, {example}: {result['workers']} workers, {result['rate']}, "
+                 f"seed {m['seeds'][0]}")
     ax.set_xlabel("wall-clock time (s)")
     ax.set_ylabel(f"training loss (mean over ranks, {result['smooth']}-step mean)")
     ax.legend(fontsize=8)
@@ -280,17 +334,21 @@ def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]
              f"`python3 experiments/training_schemes.py {command}` (numbers below are its output): "
              f"{result['workers']} workers on {where}; {result['steps']} steps ({result['warmup']} untimed), "
              f"{exp.about}. Loss: the mean over ranks of each step's minibatch loss, {result['smooth']}-step "
-             "trailing mean; target: the loss every-step ZeroSum reaches at 75 % of its steps. Wall-clock time "
+             "trailing mean; target: the loss every-step ZeroSum reaches at 75 % of its steps, per run. Each model "
+             "is trained once per seed (model initialisation and batches; seeds listed with it); a cell gives "
+             "the median over the seeds and (min-max) where they differ. Wall-clock time "
              "counts the warm-up steps at the steady step time. 'local' trains without any exchange (each rank "
              "alone): the step time's floor, not a training scheme. Predictions: zerosum.costmodel from "
              "block densities measured on the model (docs/sync.md). The CPU (2 cores) is shared by all processes. "
-             "Figures (loss against wall-clock time): " +
+             "Figures (loss against wall-clock time, the first seed): " +
              ", ".join(f"[{name}_{e}.png]({name}_{e}.png)" for e in result["models"]) +
              f"; data: [{name}.json]({name}.json).", ""]
     for example, m in result["models"].items():
         drops = "" if m["shaper_drops"] is None else \
             f" Packets the shapers dropped over the run: {m['shaper_drops']}; socket-buffer drops: {m['socket_buffer_drops']}."
-        lines += [f"**{example}** (`{' '.join(m['settings'])}`).{drops}", "", table(m["rows"], m["target"]), ""]
+        seeds = ", ".join(str(x) for x in m["seeds"])
+        lines += [f"**{example}** (`{' '.join(m['settings'])}`; seeds {seeds}).{drops}", "",
+                  table(m["runs"], m["targets"]), ""]
     return lines
 
 
@@ -308,6 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smooth", type=int, default=20, help="steps in the loss's trailing mean")
     p.add_argument("--target", type=float, help="target loss (default: see above)")
+    p.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2],
+                   help="comma-separated seeds: one training run of each model per seed")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--out", metavar="NAME", help="write docs/NAME.json, docs/NAME.png and the doc section "
                    "(default: the experiment's name; 'none' writes nothing)")
@@ -320,6 +380,7 @@ def main(argv=None) -> int:
     result = run_experiment(exp, args, extra)
     name = args.out or f"{args.experiment}_{'loopback' if args.rate == LOOPBACK else 'shaped'}"
     if name != "none":
+        result = with_earlier_models(result, DOCS / f"{name}.json")
         (DOCS / f"{name}.json").write_text(json.dumps(json_safe(result), indent=1))
         for example in result["models"]:
             figure(result, example, DOCS / f"{name}_{example}.png")
@@ -327,7 +388,8 @@ def main(argv=None) -> int:
         # An experiment whose schemes this run also trained (S3's within S1's) gets its section from it.
         for other in (e for e in EXPERIMENTS.values() if e.within == args.experiment and not args.schemes):
             wanted = other.schemes.split(",")
-            subset = {**result, "models": {k: {**m, "rows": [r for r in m["rows"] if r["scheme"] in wanted]}
+            subset = {**result, "models": {k: {**m, "runs": [[r for r in run if r["scheme"] in wanted]
+                                                             for run in m["runs"]]}
                                           for k, m in result["models"].items()}}
             update_sections(DOCS / other.doc, section(other, subset, name, " ".join(argv_given)))
     return 0

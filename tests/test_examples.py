@@ -115,10 +115,11 @@ def test_training_schemes_script_over_shaped_links(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "training_schemes.py")
     r = subprocess.run([sys.executable, script, "e6", "--rate", "1gbit", "--workers", "2", "--example", "mlp",
                         "--schemes", "gloo,zerosum,topk:0.01", "--steps", "8", "--warmup", "2", "--smooth", "2",
-                        "--out", "none"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                        "--seeds", "0,1", "--out", "none"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| scheme")}
     assert set(rows) == {"gloo", "zerosum", "topk:0.01"}, r.stdout
-    sent = {k: float(v.split("|")[2]) for k, v in rows.items()}
+    assert "over seeds 0, 1" in r.stdout     # the last table is over both seeds
+    sent = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
     assert sent["topk:0.01"] < 0.1 * sent["zerosum"]

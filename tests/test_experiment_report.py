@@ -16,3 +16,39 @@ def test_new_sections_are_appended_and_the_preamble_replaced_on_request(tmp_path
     assert doc.read_text() == "# New\n\n## E1: one\n\na\n\n## E5: five\n\ne\n"
     update_sections(tmp_path / "fresh.md", ["## E6: six", "x"])
     assert (tmp_path / "fresh.md").read_text() == "## E6: six\nx\n"
+
+
+def _row(scheme, step_ms, final_loss, time_s, samples=None):
+    return {"scheme": scheme, "step_ms": step_ms, "sent_mb": 1.0, "received_mb": 2.0, "final_loss": final_loss,
+            "samples": 1000, "time_to_target_s": time_s, "samples_to_target": samples}
+
+
+def test_training_schemes_table_gives_medians_and_spread_over_seeds():
+    from training_schemes import table
+    runs = [[_row("zerosum", 10, 0.5, 2.0, 100), _row("topk:0.01", 8, 0.7, 3.0, 300), _row("local", 5, 0.9, None)],
+            [_row("zerosum", 12, 0.4, 4.0, 200), _row("topk:0.01", 8, 0.6, None), _row("local", 5, 0.9, None)],
+            [_row("zerosum", 11, 0.6, 3.0, 150), _row("topk:0.01", 9, 0.8, 2.0, 100), _row("local", 5, 0.9, None)]]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table(runs, [1.0, 1.0, 1.0]).splitlines()[2:]}
+    assert rows["zerosum"][3:8] == ["11 (10-12)", "0.5000 (0.4000-0.6000)", "3.0 (2.0-4.0)", "150", "1.00x"]
+    # topk reached its target in two runs of three: times and ratios over those two
+    assert rows["topk:0.01"][5:8] == ["2.5 (2.0-3.0) (2 of 3 runs)", "200", "1.08x (0.67-1.50)"]
+    assert rows["local"][3:8] == ["5", "0.9000", "never", "never", "-"]
+
+
+def test_rerunning_one_model_keeps_the_others_results(tmp_path):
+    import json
+    from training_schemes import with_earlier_models
+    settings = {"experiment": "E6", "rate": "1gbit", "workers": 4, "steps": 300, "warmup": 5, "smooth": 20}
+    old_rows = [_row("zerosum", 10, 0.5, 2.0, 100)]
+    earlier = tmp_path / "e6.json"
+    # a file written before runs had seeds: one run, "rows" and "target"
+    earlier.write_text(json.dumps({**settings, "models": {"embedding": {"target": 0.6, "rows": old_rows},
+                                                         "mlp": {"target": 1.7, "rows": old_rows}}}))
+    new_mlp = {"seeds": [0, 1], "targets": [0.3, 0.31], "runs": [old_rows, old_rows]}
+    merged = with_earlier_models({**settings, "models": {"mlp": new_mlp}}, earlier)
+    assert merged["models"]["mlp"] == new_mlp
+    assert merged["models"]["embedding"] == {"seeds": [0], "targets": [0.6], "runs": [old_rows]}
+    # other settings: the earlier models are not comparable and are not kept
+    other = with_earlier_models({**settings, "steps": 100, "models": {"mlp": new_mlp}}, earlier)
+    assert list(other["models"]) == ["mlp"]
+    assert with_earlier_models({**settings, "models": {}}, tmp_path / "absent.json")["models"] == {}

@@ -16,7 +16,14 @@ import zerosum.torch as zt
 
 from . import schemes as S
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+OPTIMIZERS = {"sgd": torch.optim.SGD, "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+              "adam": torch.optim.Adam}
+
+
+def optimizer_for(scheme, name: str) -> str:
+    """The optimiser a scheme trains with: momentum SGD's momentum is inside DGC (Scheme.carries_momentum),
+    so DGC gets plain SGD where the others get momentum SGD (momentum 0.9 on every row either way)."""
+    return "sgd" if name == "momentum" and scheme.carries_momentum else name
 MODES = {"both": ["gloo", "zerosum"], "all": ["local", "gloo", "zerosum"],
          "zerosum": ["zerosum"], "gloo": ["gloo"], "local": ["local"]}
 
@@ -38,7 +45,8 @@ def parse_args(description: str, extra=None, argv=None, **defaults) -> argparse.
     p.add_argument("--batch", type=int, default=defaults.get("batch", 256))
     p.add_argument("--lr", type=float, default=defaults.get("lr", 0.05))
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
-                   help="sgd (plain SGD, the default) or adam; the same for every scheme")
+                   help="sgd (plain SGD, the default), momentum (SGD with momentum 0.9; DGC, whose momentum "
+                        "correction is the momentum, runs plain SGD) or adam; the same for every scheme")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--bucket-view", action=argparse.BooleanOptionalAction, default=True,
                    help="DDP's gradient_as_bucket_view: gradients live in the buckets, which saves two "
@@ -64,7 +72,7 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
     for scheme in schemes:
         run = scheme.attach(initial, worker, world, rank, args.seed, args.bucket_mb, args.bucket_view)
         model = run.model
-        opt = OPTIMIZERS[getattr(args, "optimizer", "sgd")](model.parameters(), lr=args.lr)
+        opt = OPTIMIZERS[optimizer_for(scheme, getattr(args, "optimizer", "sgd"))](model.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
         losses, clock, t0, before = [], [], None, None
         ring_while_down = []          # hybrid: buckets sent through the ring while the aggregator was gone, so far

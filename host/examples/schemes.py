@@ -63,6 +63,12 @@ class Scheme:
     def uses_zerosum(self) -> bool:
         return self.kind not in ("local", "gloo")
 
+    @property
+    def carries_momentum(self) -> bool:
+        """DGC's momentum correction is the momentum (Lin et al. 2018, eq. (7)): it runs with plain SGD
+        where the other schemes run momentum SGD, so that every row trains with the same optimiser."""
+        return self.kind == "dgc"
+
     def density(self, world: int) -> float | None:
         """The share of blocks a worker keeps under a sparsifier (topk, dgc; diana's random-k: about
         share / world), None for the other schemes."""
