@@ -3,6 +3,7 @@ replaces its own sections ("## E2: ..." up to the next "## "), so any one can be
 others."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 
@@ -55,3 +56,12 @@ def json_safe(obj):
 def steps_text(v: float) -> str:
     """A number of steps, or "never" for infinity."""
     return "never" if v == float("inf") else f"{v:.0f}"
+
+
+def spread(values, digits: int, suffix: str = "") -> str:
+    """The median of `values` with (min-max) when they differ at the digits shown: how a table cell
+    gives results over seeds."""
+    v = sorted(values)
+    low, high = f"{v[0]:.{digits}f}", f"{v[-1]:.{digits}f}"
+    med = f"{float(statistics.median(v)):.{digits}f}{suffix}"
+    return med if low == high else f"{med} ({low}-{high})"

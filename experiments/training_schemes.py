@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from report import json_safe, update_sections
+from report import json_safe, spread, update_sections
 from shaped_network import LOOPBACK, add_link_options, split_example_args, unwind_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,19 +264,11 @@ def with_earlier_models(result: dict, path: Path) -> dict:
     return {**result, "models": {**models, **result["models"]}}
 
 
-def _spread(values, digits: int, suffix: str = "") -> str:
-    """median (min-max) of the values, or the one value."""
-    v = sorted(values)
-    low, high = f"{v[0]:.{digits}f}", f"{v[-1]:.{digits}f}"
-    med = f"{float(np.median(v)):.{digits}f}{suffix}"
-    return med if low == high else f"{med} ({low}-{high})"
-
-
 def table(runs: list[list[dict]], targets: list[float]) -> str:
     """One row per scheme over the runs (seeds): medians, with (min-max) where the runs differ; times
     and samples over the runs that reached their target ('k of n' when not all did)."""
     n = len(runs)
-    target = _spread(targets, 4)
+    target = spread(targets, 4)
     lines = [f"| scheme | MB sent / step | MB received / step | step (ms) | loss after {runs[0][0]['samples']:,} samples "
              f"| wall-clock to loss {target} (s) | samples to it | time vs every-step ZeroSum "
              "| MB sent: predicted (measured / predicted) | step ms: predicted (measured / predicted) |",
@@ -288,12 +280,12 @@ def table(runs: list[list[dict]], targets: list[float]) -> str:
         ratios = [r["time_to_target_s"] / b["time_to_target_s"] for r, b in zip(rows, base)
                   if r["time_to_target_s"] is not None and b and b["time_to_target_s"] and r["scheme"] != "local"]
         some = "" if len(hit) == n else f" ({len(hit)} of {n} runs)"
-        reached = "never" if not hit else _spread([r["time_to_target_s"] for r in hit], 1) + some
+        reached = "never" if not hit else spread([r["time_to_target_s"] for r in hit], 1) + some
         samples = "never" if not hit else f"{int(np.median([r['samples_to_target'] for r in hit])):,}"
-        lines.append(f"| {first['scheme']} | {_spread([r['sent_mb'] for r in rows], 2)} | "
-                     f"{_spread([r['received_mb'] for r in rows], 2)} | {_spread([r['step_ms'] for r in rows], 0)} | "
-                     f"{_spread([r['final_loss'] for r in rows], 4)} | {reached} | {samples} | "
-                     f"{_spread(ratios, 2, 'x') if ratios else '-'} | {_predicted(first, 'sent_mb', 2)} | "
+        lines.append(f"| {first['scheme']} | {spread([r['sent_mb'] for r in rows], 2)} | "
+                     f"{spread([r['received_mb'] for r in rows], 2)} | {spread([r['step_ms'] for r in rows], 0)} | "
+                     f"{spread([r['final_loss'] for r in rows], 4)} | {reached} | {samples} | "
+                     f"{spread(ratios, 2, 'x') if ratios else '-'} | {_predicted(first, 'sent_mb', 2)} | "
                      f"{_predicted(first, 'step_ms', 0)} |")
     return "\n".join(lines)
 
