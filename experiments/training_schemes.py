@@ -245,23 +245,32 @@ def run_experiment(exp: Experiment, args, extra: list[str]) -> dict:
 
 
 def with_earlier_models(result: dict, path: Path) -> dict:
-    """`result` plus the models of the earlier run written at `path` that this run did not train, when
-    that run had the same settings (rate, workers, steps, warm-up, smoothing): rerunning one model
-    (--example) keeps the other's results in the JSON and the section. Earlier files of one run
-    without seeds are read as seed 0."""
+    """`result` with what the earlier run written at `path` holds, when that run had the same settings
+    (rate, workers, steps, warm-up, smoothing): the models this run did not train are kept, so one model
+    can be rerun (--example); and a model trained again with the same options and schemes but other
+    seeds gets this run's seeds added to its earlier ones. Files written before runs had seeds are read
+    as one run of seed 0."""
     if not path.exists():
         return result
     earlier = json.loads(path.read_text())
-    same = all(earlier.get(k) == result[k] for k in ("experiment", "rate", "workers", "steps", "warmup", "smooth"))
-    if not same:
+    if any(earlier.get(k) != result[k] for k in ("experiment", "rate", "workers", "steps", "warmup", "smooth")):
         return result
     models = {}
     for name, m in earlier["models"].items():
         if "runs" not in m:
             m = {**{k: v for k, v in m.items() if k not in ("rows", "target")},
                  "seeds": [0], "targets": [m["target"]], "runs": [m["rows"]]}
-        models[name] = m
-    return {**result, "models": {**models, **result["models"]}}
+        new = result["models"].get(name)
+        if new is None:
+            models[name] = m
+        elif (set(m["seeds"]).isdisjoint(new["seeds"]) and m.get("settings") == new.get("settings")
+              and _schemes(m) == _schemes(new)):
+            models[name] = {**new, **{k: m[k] + new[k] for k in ("seeds", "targets", "runs")}}
+    return {**result, "models": {**result["models"], **models}}
+
+
+def _schemes(model: dict) -> list[str]:
+    return [r["scheme"] for r in model["runs"][0]]
 
 
 def table(runs: list[list[dict]], targets: list[float]) -> str:

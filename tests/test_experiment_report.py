@@ -52,3 +52,21 @@ def test_rerunning_one_model_keeps_the_others_results(tmp_path):
     other = with_earlier_models({**settings, "steps": 100, "models": {"mlp": new_mlp}}, earlier)
     assert list(other["models"]) == ["mlp"]
     assert with_earlier_models({**settings, "models": {}}, tmp_path / "absent.json")["models"] == {}
+
+
+def test_a_model_trained_again_with_other_seeds_adds_them(tmp_path):
+    import json
+    from training_schemes import with_earlier_models
+    settings = {"experiment": "E6", "rate": "1gbit", "workers": 4, "steps": 300, "warmup": 5, "smooth": 20}
+    a, b = [_row("zerosum", 10, 0.5, 2.0, 100)], [_row("zerosum", 11, 0.4, 3.0, 100)]
+    earlier = tmp_path / "e6.json"
+    earlier.write_text(json.dumps({**settings, "models": {"mlp": {
+        "seeds": [0], "targets": [0.3], "runs": [a], "settings": ["--lr", "1"]}}}))
+    new = {"seeds": [1, 2], "targets": [0.31, 0.32], "runs": [b, b], "settings": ["--lr", "1"]}
+    merged = with_earlier_models({**settings, "models": {"mlp": new}}, earlier)["models"]["mlp"]
+    assert (merged["seeds"], merged["targets"], merged["runs"]) == ([0, 1, 2], [0.3, 0.31, 0.32], [a, b, b])
+    # the same seed again, other options or other schemes: this run replaces the earlier one
+    for changed in ({"seeds": [0], "targets": [0.31], "runs": [b]}, {"settings": ["--lr", "2"]},
+                    {"runs": [[_row("gloo", 1, 1, 1, 1)]] * 2}):
+        again = {**new, **changed}
+        assert with_earlier_models({**settings, "models": {"mlp": again}}, earlier)["models"]["mlp"] == again
