@@ -337,8 +337,8 @@ def _fast(t, b, size, source):
         return False
     if get16(b, H_WORLD) != t.geometry[1] or get16(b, H_BLOCK_SIZE) != t.geometry[2]:
         return False
-    reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True,
-                              DATA_FLAGS)
+    reason, _, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True,
+                                 DATA_FLAGS)
     return reason == OK
 
 
