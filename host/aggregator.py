@@ -14,6 +14,7 @@ from . import aggregator_kernels as AK
 from . import protocol as P
 from . import transport as T
 from .aggregator_service import AggregatorService
+from .spec import CE, ECN_MASK
 from .warmup import warm_up
 from .udp import LossHook, open_socket, parse_address
 
@@ -183,7 +184,7 @@ class AggregatorServer:
             if not self.loss.drop():
                 data = bytes(rx.buf[i, off:off + size])
                 self.service.receive(data, T.address_of(int(rx.source[i])), now,
-                                     (int(rx.tos[i]) & T.ECN_MASK) == T.CE)
+                                     (int(rx.tos[i]) & ECN_MASK) == CE)
             off += int(rx.seg[i])
             if off >= rx.length[i]:         # (an empty datagram too: its seg is 0)
                 i, off = i + 1, 0

@@ -22,7 +22,7 @@ from numba import njit
 
 from . import spec
 from . import transport as T
-from .transport import CE, ECN_MASK
+from .spec import CE, ECN_MASK
 from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_REASONS, END, ENT, H_BLOCK_SIZE, H_EPOCH,
                    H_ENTRIES, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, H_WORLD, HAS_DATA, HDR,
                    JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, CONGESTION, DATA_FLAGS,
@@ -337,8 +337,8 @@ def _fast(t, b, size, source):
         return False
     if get16(b, H_WORLD) != t.geometry[1] or get16(b, H_BLOCK_SIZE) != t.geometry[2]:
         return False
-    reason, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True,
-                              DATA_FLAGS)
+    reason, _, _ = check_entries(b, size, get16(b, H_ENTRIES), t.geometry[2], get32(b, H_TENSOR_BLOCKS), True,
+                                 DATA_FLAGS)
     return reason == OK
 
 

@@ -29,9 +29,9 @@ from . import transport as T
 from .spec import CE, ECN_MASK
 
 from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
-                   H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, END, ENT, HAS_DATA, HDR, INT_EXP, JIT, NO_EXP, OK,
-                   REPLY_FLAGS, check_entries, check_slots, congestion_marked, copy_swapped as _copy_swapped,
-                   get16, get32, put_entry, put_header, read_entry, swap32 as _swap)
+                   H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, CONGESTION, END, ENT, HAS_DATA, HDR, INT_EXP, JIT,
+                   NO_EXP, OK, REPLY_FLAGS, check_entries, check_slots, copy_swapped as _copy_swapped, get16,
+                   get32, put_entry, put_header, read_entry, swap32 as _swap)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -287,8 +287,9 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     when averaging) in st.values (block b at b*B, or, with i[I_COLLECT], at the next free row, its block
     in st.blocks_out; counts[1] rows used), advance the column and mark it ready (counts[2] counts columns
     that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
-    "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block): code 0, a protocol
-    violation (VIOLATION_*: then no entry of the datagram was applied), or -DROP_* when malformed.
+    "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block, whether an entry carries
+    the CONGESTION flag, R-E1): code 0, a protocol violation (VIOLATION_*: then no entry of the datagram was
+    applied), or -DROP_* when malformed.
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
     was sent once only): the congestion controller's samples (a bootstrap round also waits for ranks
@@ -303,11 +304,12 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     is_int, precision, divisor = st.i[I_IS_INT] != 0, st.i[I_PRECISION], np.float32(st.f[F_DIVISOR])
     out_values, out_n, collect = st.values, st.values.size, st.i[I_COLLECT] != 0
     B = hdr[5]
-    reason, rows = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS, REPLY_FLAGS)
+    reason, rows, flags = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS, REPLY_FLAGS)
     if reason == OK:
         reason = check_slots(b, nent, st.slots_used[aggregator], st.seen, st.i[I_STAMP])
     if reason != OK:
-        return -reason, -1.0, 0
+        return -reason, -1.0, 0, False
+    marked = (flags & CONGESTION) != 0
     if ptype == P.RESULT:
         # R-L4, for every entry before any is applied: a violating datagram changes nothing
         for i in range(nent):
@@ -316,7 +318,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             if block == round_block[c]:
                 code = _violation(seq, mine_pos, col_stop, c, round_exp[c], is_int, has, block, nxt, exp, nexp)
                 if code != APPLIED:
-                    return code, -1.0, block
+                    return code, -1.0, block, marked
     rtt = -1.0
     row = 0
     data0 = HDR + nent * ENT
@@ -374,7 +376,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             st.ready[c] = True
         else:
             counts[2] += 1
-    return APPLIED, rtt, 0
+    return APPLIED, rtt, 0, marked
 
 
 @njit(**JIT)
@@ -820,7 +822,7 @@ def receive_one(st, b, n, aggregator, now, ce):
         return DROPPED
     st.i[I_STAMP] += 1
     S = st.round_block.shape[0]
-    code, rtt, block = apply_datagram(st, b, n, ptype, nent, aggregator, now)
+    code, rtt, block, marked = apply_datagram(st, b, n, ptype, nent, aggregator, now)
     if code < 0:
         st.drops[_DROP_OF_REASON[-code]] += 1
         return DROPPED
@@ -828,7 +830,7 @@ def receive_one(st, b, n, aggregator, now, ce):
         st.i[I_BAD_BLOCK] = block
         return code                                   # R-L4
     st.last_heard[aggregator] = now
-    if ce or congestion_marked(b, nent):
+    if ce or marked:
         on_mark(st)                                   # R-C6 (before on_rounds: this round's verdict sees it)
     if st.counts[7]:
         on_spurious(st, st.counts[7], now)

@@ -184,8 +184,8 @@ def check(datagram, takes=AGGREGATOR_TAKES) -> tuple[str, tuple | None]:
     if ptype not in takes:
         return "drop_type", fields                                  # R-V3
     if ptype == DATA:                                               # R-V4, R-V5
-        reason, _ = wire.check_entries(np.frombuffer(datagram, np.uint8), n, nent, block_size,
-                                       tensor_blocks, True, wire.DATA_FLAGS)
+        reason, _, _ = wire.check_entries(np.frombuffer(datagram, np.uint8), n, nent, block_size,
+                                          tensor_blocks, True, wire.DATA_FLAGS)
         return wire.DROP_REASONS[reason], fields
     allowed = STATS_REQUEST_BODY if ptype == STATS else CONTROL_BODY[ptype]
     if nent or n - PACKET_HEADER_SIZE not in allowed:
@@ -224,8 +224,8 @@ def decode(buf, length: int | None = None) -> Datagram:
         raise ProtocolError("length", f"{nent} entries need {end_of_headers} bytes, got {n}")
     # The entry rules are checked by the same compiled code the aggregators run on every datagram.
     raw = np.frombuffer(mv, np.uint8)
-    reason, rows = wire.check_entries(raw, n, nent, bsize, tblocks, ptype in (DATA, RESULT),
-                                      wire.DATA_FLAGS if ptype == DATA else wire.REPLY_FLAGS)
+    reason, rows, _ = wire.check_entries(raw, n, nent, bsize, tblocks, ptype in (DATA, RESULT),
+                                         wire.DATA_FLAGS if ptype == DATA else wire.REPLY_FLAGS)
     if not reason:
         reason = wire.check_slots(raw, nent, 0x10000, np.zeros(0x10000, np.int64), 1)
     if reason:

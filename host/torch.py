@@ -19,6 +19,7 @@ environment variables:
                          once; auto, the congestion window; BYTES, its upper bound
     ZEROSUM_CONGESTION   0: no congestion window, ZEROSUM_WINDOW's BYTES is the fixed window
     ZEROSUM_DELAY_TARGET the queueing delay the congestion window allows, seconds (default 0.005)
+    ZEROSUM_PACING       0: the congestion window's rounds leave in bursts, not paced (R-C7)
     ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
     ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
     ZEROSUM_PATHS        zerosum (default): every SUM allreduce through ZeroSum; auto: each one through
@@ -848,6 +849,11 @@ def window_from_env(text: str):
         raise ValueError(f"ZEROSUM_WINDOW={text!r}: {e}") from None
 
 
+def switch_from_env(name: str) -> bool:
+    """A switch that is on by default (ZEROSUM_CONGESTION, ZEROSUM_PACING): off for 0, off, no or false."""
+    return os.environ.get(name, "1") not in ("0", "off", "no", "false")
+
+
 def worker_from_env(store, rank: int, world_size: int):
     """An open Worker configured from ZEROSUM_* variables, and the local aggregator it started (or None).
 
@@ -879,8 +885,9 @@ def worker_from_env(store, rank: int, world_size: int):
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
                     key=key,
                     window=window_from_env(os.environ.get("ZEROSUM_WINDOW", "none")),
-                    congestion=os.environ.get("ZEROSUM_CONGESTION", "1") not in ("0", "off", "no", "false"),
+                    congestion=switch_from_env("ZEROSUM_CONGESTION"),
                     delay_target=float(os.environ.get("ZEROSUM_DELAY_TARGET", DELAY_TARGET)),
+                    pacing=switch_from_env("ZEROSUM_PACING"),
                     multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
                     silence=float(os.environ["ZEROSUM_SILENCE"]) if os.environ.get("ZEROSUM_SILENCE") else None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}

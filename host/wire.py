@@ -107,49 +107,44 @@ DROP_REASONS = ("", "drop_length", "drop_flags", "drop_exponent", "drop_range")
 
 @njit(**JIT)
 def check_entries(b, n, nent, block_size, tensor_blocks, ranges, allowed):
-    """The stateless rules of a DATA/RESULT/STATUS datagram's entries; return (reason, data rows).
+    """The stateless rules of a DATA/RESULT/STATUS datagram's entries; return (reason, data rows, the
+    entries' flags ORed together).
 
     R-V4: the entry headers fit, no flag bits but the `allowed` ones (DATA_FLAGS in DATA, REPLY_FLAGS in
     RESULT and STATUS), the exact length. R-V5 (with `ranges`: DATA and
     RESULT; in a STATUS `next` is a bitmap), entry by entry: no data on BOOT, an exponent with data, block
-    and next in range.
+    and next in range. The flags come from the same pass, so a worker learns whether a reply carries
+    CONGESTION (R-E1) without reading the entries again.
     """
     end_of_headers = HDR + nent * ENT
     if block_size == 0 or n < end_of_headers:
-        return DROP_LENGTH, 0
+        return DROP_LENGTH, 0, 0
     rows = 0
+    any_flags = 0
     for i in range(nent):
         flags = get16(b, HDR + i * ENT + E_FLAGS)
         if flags & ~allowed:
-            return DROP_FLAGS, 0
+            return DROP_FLAGS, 0, 0
         rows += flags & HAS_DATA
+        any_flags |= flags
     if n != end_of_headers + rows * block_size * 4:
-        return DROP_LENGTH, 0
+        return DROP_LENGTH, 0, any_flags
     if not ranges:
-        return OK, rows
+        return OK, rows, any_flags
     if tensor_blocks > MAX_BLOCKS:
-        return DROP_RANGE, rows
+        return DROP_RANGE, rows, any_flags
     for i in range(nent):
         _, has, block, nxt, exp, _ = read_entry(b, HDR + i * ENT)
         real = block != BOOT
         if has and not real:
-            return DROP_FLAGS, rows
+            return DROP_FLAGS, rows, any_flags
         if has and exp == NO_EXP:
-            return DROP_EXPONENT, rows
+            return DROP_EXPONENT, rows, any_flags
         if real and block >= tensor_blocks:
-            return DROP_RANGE, rows
+            return DROP_RANGE, rows, any_flags
         if nxt != END and (nxt >= tensor_blocks or (real and nxt <= block)):
-            return DROP_RANGE, rows
-    return OK, rows
-
-
-@njit(**JIT)
-def congestion_marked(b, nent):
-    """Whether an entry of a (validated) RESULT or STATUS datagram carries the CONGESTION flag (R-E1)."""
-    for i in range(nent):
-        if get16(b, HDR + i * ENT + E_FLAGS) & CONGESTION:
-            return True
-    return False
+            return DROP_RANGE, rows, any_flags
+    return OK, rows, any_flags
 
 
 @njit(**JIT)

@@ -77,6 +77,9 @@ class Worker:
         e.g. a hand-tuned bandwidth-delay product plus what the switch port can queue.
     delay_target: the queueing delay the congestion window allows above the least round trip seen,
         in seconds (R-C3).
+    pacing: the rounds the congestion window admits leave paced, a little faster than the window per
+        round trip, so that a large window does not reach a shallow switch queue in one burst (R-C7).
+        False sends them in bursts (to compare).
     silence: seconds after which an aggregator that answers nothing while this worker waits for it is
         taken as gone (docs/protocol.md, R-L7): the allreduce raises AggregatorSilent at once, saying which
         blocks of the output are final, instead of waiting for `timeout` (a live aggregator answers
@@ -88,7 +91,8 @@ class Worker:
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
                  window: int | str | None = None, congestion: bool = True,
-                 delay_target: float = DELAY_TARGET, multicast: str | None = None, silence: float | None = None):
+                 delay_target: float = DELAY_TARGET, pacing: bool = True, multicast: str | None = None,
+                 silence: float | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -116,7 +120,8 @@ class Worker:
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
-                                   window=window, congestion=bool(congestion), delay_target=float(delay_target))
+                                   window=window, congestion=bool(congestion), delay_target=float(delay_target),
+                                   pacing=bool(pacing))
         self.set_silence(silence)     # R-L7
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size

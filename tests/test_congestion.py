@@ -459,16 +459,17 @@ def test_exact_under_loss_duplicates_and_reordering(seed):
     assert all(np.array_equal(o, ref) for o in outs)
 
 
+@pytest.mark.parametrize("pacing", [True, False])
 @pytest.mark.parametrize("loss", [0.0, 0.01])
-def test_real_workers_with_the_automatic_window(loss):
-    """Worker processes on loopback with window="auto" (the compiled driver: RACK-detected losses are
-    retransmitted through the machine's poll): exact sums, and each worker reports where its window and
-    round trip settled."""
+def test_real_workers_with_the_automatic_window(loss, pacing):
+    """Worker processes on loopback with window="auto", paced (R-C7) or in bursts (the compiled driver:
+    RACK-detected losses are retransmitted through the machine's poll): exact sums, and each worker
+    reports where its window and round trip settled."""
     from procs import Aggregator, run_workers
     from test_end_to_end import N, check
     agg = Aggregator(4, loss=loss, seed=3)
     try:
-        res = run_workers(4, [agg.address], [1, 2], N, 0.5, window="auto", loss=loss, seed=7)
+        res = run_workers(4, [agg.address], [1, 2], N, 0.5, window="auto", pacing=pacing, loss=loss, seed=7)
         check(res, 4, [1, 2], N, 0.5)
         for rank in range(4):
             stats = res[rank][2]

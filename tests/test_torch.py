@@ -272,18 +272,19 @@ def test_backend_with_an_external_aggregator():
     assert counters.get("rounds", 0) > 0
 
 
-def test_worker_from_env_takes_window_and_max_datagram(monkeypatch):
+def test_worker_from_env_takes_window_pacing_and_max_datagram(monkeypatch):
     agg = Aggregator(1, job=8)
     try:
         monkeypatch.setenv("ZEROSUM_AGGREGATORS", agg.address)
         monkeypatch.setenv("ZEROSUM_JOB", "8")
         monkeypatch.setenv("ZEROSUM_WINDOW", "65536")
         monkeypatch.setenv("ZEROSUM_MAX_DATAGRAM", "8972")
+        monkeypatch.setenv("ZEROSUM_PACING", "0")
         worker, local = zt.worker_from_env(None, 0, 1)
         try:
             assert local is None
             assert (worker.config.window, worker.config.max_datagram) == (65536, 8972)
-            assert worker.config.congestion
+            assert worker.config.congestion and not worker.config.pacing
             assert np.array_equal(worker.allreduce(np.arange(5000, dtype=np.float32)), np.arange(5000))
         finally:
             worker.close()
