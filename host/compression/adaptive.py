@@ -23,7 +23,8 @@ T_k keeping the k entries of largest magnitude. This module holds the rule over 
 
 `LevelTracker` replaces the one-step rule by an online search over levels scored by the measured
 decrease of log ||∇f||² per bit over segments of steps; `level_grid` gives it the levels, from dense
-(`encode_dense`: all d values without indices, `BitCost.dense_bits`) down.
+(`encode_dense`: all d values without indices, `BitCost.dense_bits`) down. `TrackedTopKBlocks`
+(zerosum.compression.tracked) runs a tracker per DDP bucket, fed with the allreduce's result.
 
 `AdaptiveTopKBlocks` is the rule applied inside error feedback, per worker, on whole blocks, with an
 approximate ZeroSum cost; that is not the setting in which the descent-lemma argument holds (the previous
@@ -305,6 +306,8 @@ class LevelTracker:
         tracker = LevelTracker(levels, segment_bits)
         k = tracker.choose(np.log(g @ g), bits_sent_so_far)      # before each step
     """
+
+    restore_new = True      # a checkpoint may hold one that a fresh compressor has not made yet (per key)
 
     def __init__(self, levels, segment_bits: float, start: int = 0, margin: float = 0.0, warmup: float = 0.0):
         self.levels = np.asarray(levels, np.int64)
