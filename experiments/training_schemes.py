@@ -170,7 +170,7 @@ def predictions(rows: list[dict], densities, numel: int, world: int, rate: str) 
     local = next((r["step_ms"] for r in rows if r["scheme"] == "local"), None)
     for r in rows:
         s = parse(r["scheme"])
-        if s.kind == "local":
+        if s.kind in ("local", "tracked"):     # tracked: its density is chosen during the run
             continue
         extra = {"period": int(s.args[0])} if s.kind == "localsgd" else {"density": s.density(world)}
         cost = CM.scheme_step(s.kind, numel, world, densities, **extra)
@@ -207,7 +207,30 @@ def summarize(report: dict, world: int, target: float, window: int) -> dict:
             "samples": len(loss) * samples,
             "time_to_target_s": None if hit is None else float(clock[hit]),
             "samples_to_target": None if hit is None else (hit + 1) * samples,
-            "curve": {"seconds": clock.tolist(), "loss": loss.tolist()}}
+            "curve": {"seconds": clock.tolist(), "loss": loss.tolist()},
+            **({"levels": levels_summary(report["levels"])} if "levels" in report else {})}
+
+
+def levels_summary(levels: list[dict]) -> list[dict]:
+    """Per bucket of a tracked scheme (TrackedTopKBlocks.report, rank 0's): its blocks, the share of
+    its steps at the dense level (every block: uncompressed), the mean share of blocks kept in the
+    others, the last k, and the levels of its finished segments in order."""
+    out = []
+    for b in (b for b in levels if b["k"]):
+        k = np.asarray(b["k"])
+        sparse = k[k < b["blocks"]]
+        out.append({"blocks": b["blocks"], "steps": len(k), "dense_share": float(np.mean(k == b["blocks"])),
+                    "sparse_density": float(sparse.mean() / b["blocks"]) if sparse.size else None,
+                    "last_k": int(k[-1]), "segments": [level for level, _ in b["segments"]]})
+    return out
+
+
+def levels_lines(rows: list[dict]) -> str:
+    return "\n".join(f"{r['scheme']}: bucket of {b['blocks']} blocks, {b['steps']} steps, "
+                     f"{b['dense_share']:.0%} of them dense, the others keeping "
+                     f"{'-' if b['sparse_density'] is None else format(b['sparse_density'], '.4f')} of the blocks "
+                     f"on average; last k {b['last_k']}; segments {b['segments']}"
+                     for r in rows for b in r.get("levels", []))
 
 
 def target_of(reports: list[dict], window: int) -> float:
@@ -237,6 +260,8 @@ def run_experiment(exp: Experiment, args, extra: list[str]) -> dict:
             for k in ("shaper_drops", "socket_buffer_drops"):
                 model[k] = None if rep.get(k) is None else (model[k] or 0) + rep[k]
             print(table(model["runs"][-1:], [target]))
+            if any("levels" in r for r in rows):
+                print(levels_lines(rows))
         if len(args.seeds) > 1:
             print(f"== {exp.key}: {example}, over seeds {', '.join(map(str, args.seeds))}")
             print(table(model["runs"], model["targets"]))

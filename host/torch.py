@@ -36,6 +36,7 @@ SGD) is in `zerosum.sync`.
 import argparse
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -133,12 +134,23 @@ def _class_name(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _new_restorable(class_name: str):
+    """An empty object of `class_name` for state that a compressor makes during training (per-key
+    objects, which a fresh compressor does not have yet), if that class says so (`restore_new`) and its
+    module is loaded; else None. Nothing is imported, and no other class is made from a checkpoint."""
+    module, _, name = class_name.rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls.__new__(cls) if isinstance(cls, type) and getattr(cls, "restore_new", False) is True else None
+
+
 def _restore(current, enc, where: str):
     """The value `enc` (from _encode) stands for; objects, dicts, lists and random generators that
     exist already (`current`) are updated in place, so references to them stay valid."""
     if isinstance(enc, dict) and _TAG in enc:
         kind = enc[_TAG]
         if kind == "object":
+            if current is None:
+                current = _new_restorable(enc["class"])
             if current is None or _class_name(current) != enc["class"]:
                 have = "nothing" if current is None else f"a {_class_name(current)}"
                 raise ValueError(f"{where}: the checkpoint holds a {enc['class']}, this run has {have}")

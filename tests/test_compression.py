@@ -535,3 +535,104 @@ def test_gap_level_tracker_scores_the_log_gap_with_the_latest_lower_bound():
     assert np.isclose(tracker.segments[0][1], np.log(8 / 4) / 10)
     tracker.choose_gap(3.0, 0.5, 20.0)                      # a looser bound does not replace a tighter one
     assert np.isclose(tracker.segments[1][1], np.log(4 / 2) / 10) and tracker.lower == 1.0
+
+
+# -- TrackedTopKBlocks: a LevelTracker per key, fed with what every rank receives ---------------------
+
+def _play_tracked(c, steps, drop, world=4, nblocks=64, key=("w",)):
+    """Drives `c` as the DDP hook does, with made-up results: each step compresses a gradient of
+    `nblocks` blocks, then observes a result whose union is the world·k blocks the k kept by each
+    worker can make (at most all) and whose log ||result||² falls by drop(k) per step. Returns the
+    k of every step."""
+    B, potential, played = c.block_size, 0.0, []
+    for _ in range(steps):
+        sent = c.compress(np.ones(nblocks * B, np.float32), key)
+        k = len(nonzero_blocks(sent, B))
+        union = min(world * k, nblocks)
+        result = np.zeros(nblocks * B, np.float32)
+        result[:union * B] = np.sqrt(np.exp(potential) / (union * B))
+        c.decompress(result, world, key)
+        potential -= drop(k)
+        played.append(k)
+    return played
+
+
+def test_tracked_topk_keeps_dense_until_a_result_then_levels_below_what_the_dense_union_costs():
+    c = C.TrackedTopKBlocks(block_size=4, ratio=2)
+    key = ("a", "b")
+    g = grad(n=400)                                       # 100 blocks of 4
+    assert len(nonzero_blocks(c.compress(g, key), 4)) == 100      # no result yet: every block
+    zero = np.zeros_like(g)
+    c.decompress(zero, 2, key)                            # all zero: bits count, no tracker yet
+    t = c.trackers[key]
+    assert t.tracker is None and t.k == 100 and t.bits == c.result_bits(0, 100)
+    c.compress(g, key)
+    result = np.zeros_like(g)
+    result[:60 * 4] = 1.0                                 # a union of 60 blocks, from dense k
+    c.decompress(result, 2, key)
+    # dense, then 100 / 2^j for the k whose union (at most 2k blocks) costs less than 60 blocks
+    assert t.tracker.levels.tolist() == [100, 25, 12, 6, 3, 2, 1]
+    assert t.tracker.segment_bits == 4 * c.result_bits(60, 100)
+    assert t.k == 100 and t.played == [100, 100]          # start = 0: dense
+    assert t.bits == c.result_bits(0, 100) + c.result_bits(60, 100)
+    late = C.TrackedTopKBlocks(block_size=4, ratio=2, start=99)
+    late.compress(g, key)
+    late.decompress(result, 2, key)
+    assert late.trackers[key].k == 1                      # start past the end: the smallest k
+
+
+def test_tracked_topk_moves_to_cheaper_levels_where_a_step_does_as_much():
+    """A step lowers the potential as much at every level, so per bit the cheaper level scores higher:
+    each probe down is taken, one level per two segments, down to the smallest k; where a bit does
+    more at larger k, it never leaves dense."""
+    c = C.TrackedTopKBlocks(block_size=4, ratio=2, segment_steps=2, warmup=0.5)
+    played = _play_tracked(c, 400, lambda k: 0.01)
+    tracker = c.trackers[("w",)].tracker
+    assert tracker.levels.tolist() == [64, 8, 4, 2, 1]    # world 4: unions of 32, 16, 8, 4 blocks < 64
+    path = [k for k, _ in tracker.segments]
+    assert path[:8:2] == [64, 8, 4, 2] and path[1:8:2] == [8, 4, 2, 1]   # probe down, taken, ...
+    assert tracker.levels[tracker.current] == 1 and played[-1] == 1
+    assert played[0] == 64 and played.count(64) <= 3      # dense: its first segment and the result before it
+
+    per_bit = C.TrackedTopKBlocks(block_size=4, ratio=2, segment_steps=2, warmup=0.5)
+    played = _play_tracked(per_bit, 400, lambda k: 1e-6 * (1 + k / 64) * float(per_bit.result_bits(min(4 * k, 64), 64)))
+    tracker = per_bit.trackers[("w",)].tracker
+    assert tracker.levels[tracker.current] == 64 and played[-1] == 64
+    assert {k for k, _ in tracker.segments} == {64, 8}    # probes down only, backing off
+
+
+def test_tracked_topk_choice_depends_on_the_results_only():
+    """Ranks with different gradients, the same results: the same k at every step."""
+    ranks = [C.TrackedTopKBlocks(block_size=4, ratio=2, segment_steps=1, warmup=0) for _ in range(3)]
+    rng = np.random.default_rng(3)
+    for step in range(60):
+        sent = [c.compress(rng.standard_normal(256).astype(np.float32) * (r + 1), "k") for r, c in enumerate(ranks)]
+        summed = np.sum(sent, axis=0, dtype=np.float32) * np.float32(0.97 ** step)
+        for c in ranks:
+            c.decompress(summed, 3, "k")
+    histories = [c.trackers["k"].played for c in ranks]
+    assert histories[0] == histories[1] == histories[2] and len(set(histories[0])) > 1
+
+
+def test_tracked_topk_follows_rebuilt_buckets_and_refuses_misuse():
+    c = C.TrackedTopKBlocks(block_size=4)
+    g = np.ones(16, np.float32)
+    first = ("0.weight", "0.bias", "1.weight")
+    c.compress(g, first)
+    c.decompress(g, 2, first)
+    c.compress(g[:8], ("1.weight",))               # DDP's rebuilt bucket: the first key is gone
+    assert list(c.trackers) == [("1.weight",)]
+    with pytest.raises(ValueError, match="compressed again before its result"):
+        c.compress(g[:8], ("1.weight",))
+    c.decompress(g[:8], 2, ("1.weight",))
+    with pytest.raises(ValueError, match="without a compress"):
+        c.decompress(g[:8], 2, ("1.weight",))
+    with pytest.raises(ValueError, match="without a compress"):
+        c.decompress(g, 2, "never")
+    with pytest.raises(ValueError, match="had 2 blocks and now has 4"):
+        c.compress(g, ("1.weight",))
+    for kwargs, words in [({"ratio": 1}, "ratio"), ({"segment_steps": 0}, "segment_steps"),
+                          ({"warmup": 1}, "warmup"), ({"smooth": 0}, "smooth"), ({"smooth": 1.5}, "smooth"),
+                          ({"start": -1}, "start")]:
+        with pytest.raises(ValueError, match=words):
+            C.TrackedTopKBlocks(**kwargs)

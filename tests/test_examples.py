@@ -72,9 +72,11 @@ def test_scheme_names_parse_or_fail_clearly():
     assert S.parse("topk:0.01") == S.Scheme("topk:0.01", "topk", (0.01,))
     assert S.parse("localsgd:8:10").args == (8.0, 10.0) and S.parse("delayed").uses_zerosum
     assert not S.parse("gloo").uses_zerosum and not S.parse("local").uses_zerosum
+    assert S.parse("tracked").args == () and S.parse("tracked").compressor(2, 0, 0).segment_steps == 4
+    assert S.parse("tracked:8").compressor(2, 0, 0).segment_steps == 8 and S.parse("tracked").density(2) is None
     for bad, words in [("topk", "takes 1"), ("topk:2", "density"), ("qsgd:2.5", "levels"), ("fancy", "unknown"),
                        ("localsgd:0", "period"), ("localsgd:2:-1", "warm-up"), ("delayed:1", "takes 0"),
-                       ("topk:x", "numbers")]:
+                       ("topk:x", "numbers"), ("tracked:0", "segment"), ("tracked:1:2", "takes 0 to 1")]:
         with pytest.raises(ValueError, match=words):
             S.parse(bad)
     with pytest.raises(ValueError, match="twice"):
@@ -89,13 +91,13 @@ def test_schemes_side_by_side_under_torchrun(tmp_path):
     out = tmp_path / "r.json"
     cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
         "--standalone", "--nproc-per-node", "2", "-m", "zerosum.examples.mlp", "--schemes",
-        "zerosum,topk:0.05,localsgd:4:1,delayed", "--steps", "6", "--warmup", "2", "--json", str(out)]
+        "zerosum,topk:0.05,localsgd:4:1,delayed,tracked", "--steps", "6", "--warmup", "2", "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ZEROSUM_AGGREGATORS", None)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     by = {m["mode"]: m for m in json.loads(out.read_text())["reports"]}
-    assert list(by) == ["zerosum", "topk:0.05", "localsgd:4:1", "delayed"]
+    assert list(by) == ["zerosum", "topk:0.05", "localsgd:4:1", "delayed", "tracked"]
     z = by["zerosum"]
     assert by["topk:0.05"]["bytes_sent_per_step"] < 0.2 * z["bytes_sent_per_step"]
     assert by["localsgd:4:1"]["bytes_sent_per_step"] < 0.7 * z["bytes_sent_per_step"]
@@ -105,6 +107,8 @@ def test_schemes_side_by_side_under_torchrun(tmp_path):
         assert m["losses"][0] == z["losses"][0]      # same initial model, same first batch
     assert z["identical_on_all_ranks"] and by["delayed"]["identical_on_all_ranks"]
     assert by["delayed"]["losses"][1] != z["losses"][1]   # the first step applied nothing
+    assert by["tracked"]["identical_on_all_ranks"] and by["tracked"]["levels"]      # its k per bucket and step
+    assert all(len(b["k"]) in (5, 6) and b["k"][0] == b["blocks"] for b in by["tracked"]["levels"])
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),

@@ -54,6 +54,7 @@ COMPRESSORS = {
     "diana": lambda: C.DIANA(C.RandomKBlocks(2, block_size=4, rank=1), omega=1),
     "diana-qsgd": lambda: C.DIANA(C.QSGD(levels=2, block_size=4, rank=1)),
     "adaptive": lambda: C.AdaptiveTopKBlocks(block_size=4),
+    "tracked": lambda: C.TrackedTopKBlocks(block_size=4, segment_steps=0.5, warmup=0),
 }
 
 
@@ -100,6 +101,18 @@ def test_compressor_state_errors():
 
     with pytest.raises(TypeError, match=r"WithFunction\.score"):
         zt.compressor_state_dict(WithFunction())
+
+    class Made:          # per-key state made during training, of a class that does not allow it afresh
+        pass
+
+    class PerKey(C.Compressor):
+        def __init__(self):
+            self.made = {}
+
+    running = PerKey()
+    running.made["a"] = Made()
+    with pytest.raises(ValueError, match=r"PerKey\.made\['a'\]: the checkpoint holds a .*Made, this run has nothing"):
+        zt.load_compressor_state_dict(PerKey(), zt.compressor_state_dict(running))
 
 
 # -- the hook's state in checkpoints (in process, with a stand-in worker) ----------------------------
@@ -401,7 +414,7 @@ def test_resumed_training_continues_bit_for_bit():
     in the middle of a period), train 4 more; a fresh pair of processes loads the checkpoints and
     trains the same 4 steps: the same parameters and hook state, bit for bit. DDP's first
     iteration in the fresh processes has other buckets than the checkpointed run had reached."""
-    configs, n, m = ["plain", "topk", "diana", "dgc", "local"], 5, 4
+    configs, n, m = ["plain", "topk", "tracked", "diana", "dgc", "local"], 5, 4
     agg = Aggregator(2)
     try:
         full = spawn(resume_training, 2, free_port(), agg.address, configs, n, m)

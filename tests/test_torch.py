@@ -9,8 +9,8 @@ import zerosum.torch as zt  # noqa: E402
 from zerosum import compression as C  # noqa: E402
 from procs import Aggregator  # noqa: E402
 from test_worker_api import run_threads  # noqa: E402
-from torch_procs import (backend_collectives, ddp_rebuilt_buckets, ddp_training, spawn,  # noqa: E402
-                         versus_gloo)
+from torch_procs import (backend_collectives, ddp_rebuilt_buckets, ddp_tracked, ddp_training,  # noqa: E402
+                         spawn, versus_gloo)
 from zerosum.udp import free_port  # noqa: E402
 from zerosum.fixedpoint import block_exponents, max_error  # noqa: E402
 from zerosum.reference import reference_allreduce  # noqa: E402
@@ -160,6 +160,29 @@ def test_ddp_hook_state_follows_the_parameters_when_ddp_rebuilds_its_buckets():
     for n in order:
         assert res[0][3][n].tobytes() == res[1][3][n].tobytes()              # identical on every rank
         np.testing.assert_allclose(res[0][3][n], params[n].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_ddp_hook_with_tracked_levels_every_rank_keeps_the_same_k_from_the_results_alone():
+    world, steps = 2, 14
+    settings = dict(segment_steps=0.5, warmup=0.0)            # short segments: the levels move within a few steps
+    agg = Aggregator(world)
+    try:
+        res = spawn(ddp_tracked, world, free_port(), agg.address, steps, settings)
+    finally:
+        agg.stop()
+    (report, seen, digests), (report1, _, digests1) = res
+    assert report == report1 and digests == digests1          # the same k, the same update, on every rank
+    assert {len(b["k"]) for b in report} == {steps - 1}       # the first iteration's key was replaced (rebuild)
+    assert all(b["k"][0] == b["blocks"] for b in report)      # dense until a result of its own
+    moved = [b for b in report if len(b["levels"]) > 1]
+    assert moved and all(min(b["k"]) < b["blocks"] for b in moved)
+    # The k of every step follows from the results before it: a compressor that sees only the
+    # results (not this rank's gradients) chooses the same k.
+    replay = C.TrackedTopKBlocks(**settings)
+    for key, summed in seen:
+        replay.compress(np.zeros_like(summed), key)
+        replay.decompress(summed, world, key)
+    assert replay.report() == report
 
 
 class _Bucket:

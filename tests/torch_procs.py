@@ -203,6 +203,47 @@ def ddp_rebuilt_buckets(rank, world, port, aggregator, steps, density, lr):
     return log, memory, before, after, state.relayouts
 
 
+def ddp_tracked(rank, world, port, aggregator, steps, settings):
+    """DDP steps of _model(0) through the ZeroSum hook with TrackedTopKBlocks(**settings). Returns the
+    compressor's report, every result it observed as (key, result) in order, and the parameters' digest
+    after every step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import zerosum
+    import zerosum.torch as zt
+    from zerosum.compression import TrackedTopKBlocks
+    _init_gloo(rank, world, port)
+    torch.set_num_threads(1)
+    model = DDP(_model(0), bucket_cap_mb=0.05)
+    worker = zerosum.Worker(rank, world, [aggregator])
+    worker.open()
+    compressor = TrackedTopKBlocks(**settings)
+    seen, decompress = [], compressor.decompress
+
+    def recorded(summed, world, key="default"):
+        seen.append((key, np.array(summed, copy=True)))
+        return decompress(summed, world, key)
+    compressor.decompress = recorded
+    state = zt.register(model, worker, compressor)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    digests = []
+    try:
+        for _ in range(steps):
+            idx = torch.randint(0, 5000, (32, 4), generator=g)
+            y = torch.randn(32, 1, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(idx), y).backward()
+            opt.step()
+            digests.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
+    finally:
+        state.close()
+        worker.close()
+        dist.destroy_process_group()
+    return compressor.report(), seen, digests
+
+
 # -- synchronisation schemes (tests/test_sync.py) --------------------------------------------------
 
 def _batch(rank, step):
@@ -228,6 +269,7 @@ def _sync_setup(config, rank, world, worker):
         return model, state, opt
     compressor = {"plain": lambda: None,
                   "topk": lambda: C.TopKBlocks(density=0.2),
+                  "tracked": lambda: C.TrackedTopKBlocks(segment_steps=0.5, warmup=0),
                   "diana": lambda: C.DIANA(C.RandomKBlocks(world, seed=3, rank=rank), alpha=0.5),
                   "dgc": lambda: C.DGC(density=0.05, warmup=(0.5,), world=world, seed=rank)}[config]()
     state = zt.register(model, worker, compressor=compressor)

@@ -18,7 +18,9 @@ from .quantize import QSGD, SignEF, TernGrad
 from .dgc import DGC
 from .diana import DIANA
 from .adaptive import AdaptiveTopKBlocks
+from .tracked import TrackedTopKBlocks
 from .vr import LSVRG, SAGA
 
 __all__ = ["Compressor", "NoCompression", "WireCost", "allreduce", "rounds_of", "wire_bytes", "wire_cost",
-           "TopKBlocks", "TopKElements", "RandomKBlocks", "QSGD", "TernGrad", "SignEF", "DGC", "DIANA", "AdaptiveTopKBlocks", "LSVRG", "SAGA"]
+           "TopKBlocks", "TopKElements", "RandomKBlocks", "QSGD", "TernGrad", "SignEF", "DGC", "DIANA", "AdaptiveTopKBlocks", "TrackedTopKBlocks",
+           "LSVRG", "SAGA"]

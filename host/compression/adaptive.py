@@ -23,7 +23,8 @@ T_k keeping the k entries of largest magnitude. This module holds the rule over 
 
 `LevelTracker` replaces the one-step rule by an online search over levels scored by the measured
 decrease of log ||∇f||² per bit over segments of steps; `level_grid` gives it the levels, from dense
-(`encode_dense`: all d values without indices, `BitCost.dense_bits`) down.
+(`encode_dense`: all d values without indices, `BitCost.dense_bits`) down. `TrackedTopKBlocks`
+(zerosum.compression.tracked) runs a tracker per DDP bucket, fed with the allreduce's result.
 
 `AdaptiveTopKBlocks` is the rule applied inside error feedback, per worker, on whole blocks, with an
 approximate ZeroSum cost; that is not the setting in which the descent-lemma argument holds (the previous
@@ -234,6 +235,17 @@ def zerosum_prefix_bytes(order: np.ndarray, nblocks: int, block_size: int, has_d
     return out
 
 
+def common_blocks_bytes(k, nblocks: int, block_size: int = 256, columns: int = 2048,
+                        max_datagram: int = P.MAX_DATAGRAM):
+    """Bytes a worker sends for k of nblocks blocks when the other workers send the same k: one bootstrap
+    entry per column, an entry plus payload per block (the entries and payload of `wire_cost` without
+    `rounds`), and a datagram header per datagram's room of the whole (`wire_cost` counts a datagram per
+    round at least; where the k blocks lie is not needed here). `zerosum_prefix_bytes` is exact."""
+    k = np.asarray(k)
+    body = (min(columns, nblocks) + k) * P.ENTRY_SIZE + k * block_size * P.WIRE_VALUE.itemsize
+    return body + np.ceil(body / (max_datagram - P.PACKET_HEADER_SIZE)) * P.PACKET_HEADER_SIZE
+
+
 def choose_blocks(rows: np.ndarray, has_data: np.ndarray | None = None, columns: int = 2048,
                   max_datagram: int = P.MAX_DATAGRAM) -> tuple[int, np.ndarray]:
     """The rule on whole blocks with ZeroSum's cost: rows is the (blocks, block_size) gradient (the
@@ -294,6 +306,8 @@ class LevelTracker:
         tracker = LevelTracker(levels, segment_bits)
         k = tracker.choose(np.log(g @ g), bits_sent_so_far)      # before each step
     """
+
+    restore_new = True      # a checkpoint may hold one that a fresh compressor has not made yet (per key)
 
     def __init__(self, levels, segment_bits: float, start: int = 0, margin: float = 0.0, warmup: float = 0.0):
         self.levels = np.asarray(levels, np.int64)
@@ -400,14 +414,10 @@ class AdaptiveTopKBlocks(TopKBlocks):
         self.history: list[int] = []
 
     def cost(self, k: np.ndarray, nblocks: int) -> np.ndarray:
-        """Bytes a worker sends for k blocks: one bootstrap entry per column, an entry plus payload per
-        block (the entries and payload of `wire_cost` without `rounds`, i.e. as if the other workers sent
-        the same blocks), and a datagram header per 64 KiB of the whole (`wire_cost` counts a datagram per
-        round at least; where the k blocks lie is not known either). `zerosum_prefix_bytes` is exact."""
-        body = (min(self.columns, nblocks) + k) * P.ENTRY_SIZE + k * self.block_size * P.WIRE_VALUE.itemsize
-        return body + np.ceil(body / (self.max_datagram - P.PACKET_HEADER_SIZE)) * P.PACKET_HEADER_SIZE
+        """Bytes a worker sends for k blocks (`common_blocks_bytes`)."""
+        return common_blocks_bytes(k, nblocks, self.block_size, self.columns, self.max_datagram)
 
-    def choose_k(self, rows: np.ndarray) -> int:
+    def choose_k(self, rows: np.ndarray, key="default") -> int:
         norms = np.sort(np.einsum("ij,ij->i", rows, rows))[::-1]
         k = np.arange(1, len(rows) + 1)
         gain = np.cumsum(norms) / self.cost(k, len(rows))

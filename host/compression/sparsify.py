@@ -37,14 +37,15 @@ class TopKBlocks(Compressor):
             return np.arange(len(rows))
         return np.argpartition(norms, len(rows) - k)[len(rows) - k:]
 
-    def choose_k(self, rows: np.ndarray) -> int:
+    def choose_k(self, rows: np.ndarray, key="default") -> int:
+        """How many of these (blocks, block_size) rows of `key`'s corrected gradient to keep."""
         return self.k_for(len(rows))
 
     def compress(self, grad, key="default"):
         grad = np.asarray(grad, np.float32)
         x = self.ef.corrected(grad, key) if self.ef else grad
         rows, n = block_rows(x, self.block_size)
-        keep = self.select(rows, self.choose_k(rows))
+        keep = self.select(rows, self.choose_k(rows, key))
         out = np.zeros_like(rows)
         out[keep] = rows[keep]
         sent = out.reshape(-1)[:n].reshape(grad.shape)

@@ -118,6 +118,7 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
             **({"paths": run.paths.report()} if run.paths is not None else {}),
             **({"failover": run.failover.report(), "ring_buckets_by_step": ring_while_down}
                if run.failover is not None else {}),
+            **({"levels": run.compressor.report()} if hasattr(run.compressor, "report") else {}),
         })
     if rank == 0:
         gap = _loss_curve_gap(reports)

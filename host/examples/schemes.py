@@ -8,6 +8,9 @@ several side by side (`--schemes local,gloo,zerosum,topk:0.01,localsgd:8`).
     hybrid           the same hook choosing per bucket between ZeroSum and gloo's ring, whichever is
                      faster at the bucket's density (register(..., paths="auto"); zerosum.hybrid)
     topk:D           ZeroSum + top-k blocks with error feedback, density D (TopKBlocks)
+    tracked[:S]      ZeroSum + top-k blocks with error feedback, k per bucket tracked online by the
+                     measured decrease of log ||result||² per bit, segments of S dense steps' bits
+                     (default 4; TrackedTopKBlocks, a LevelTracker per bucket)
     dgc:D            ZeroSum + deep gradient compression, final density D (DGC, its warm-up schedule)
     qsgd:S           ZeroSum + QSGD with S levels (QSGD)
     terngrad         ZeroSum + TernGrad (TernGrad)
@@ -34,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerosum.torch as zt
 
-COMPRESSORS = ("topk", "dgc", "qsgd", "terngrad", "efsign", "diana")
+COMPRESSORS = ("topk", "tracked", "dgc", "qsgd", "terngrad", "efsign", "diana")
 NAMES = ("local", "gloo", "zerosum", "hybrid", *COMPRESSORS, "localsgd", "delayed")
 
 
@@ -45,6 +48,7 @@ class Attached:
     after_step: callable = lambda params: None
     closers: list = field(default_factory=list)
     paths: object = None        # the hook's zerosum.hybrid.PathChoice (scheme hybrid)
+    compressor: object = None   # the hook's compressor (None: the plain sum, or no hook of zerosum.torch)
     failover: object = None     # the hook's zerosum.torch.Failover (scheme hybrid)
 
     def close(self) -> None:
@@ -71,7 +75,7 @@ class Scheme:
 
     def density(self, world: int) -> float | None:
         """The share of blocks a worker keeps under a sparsifier (topk, dgc; diana's random-k: about
-        share / world), None for the other schemes."""
+        share / world), None for the other schemes (tracked: chosen during the run)."""
         if self.kind in ("topk", "dgc"):
             return self.args[0]
         if self.kind == "diana":
@@ -84,6 +88,8 @@ class Scheme:
         a = self.args
         if self.kind == "topk":
             return C.TopKBlocks(density=a[0])
+        if self.kind == "tracked":
+            return C.TrackedTopKBlocks(**({"segment_steps": a[0]} if a else {}))
         if self.kind == "dgc":
             return C.DGC(density=a[0], world=world, seed=seed)
         if self.kind == "qsgd":
@@ -119,7 +125,8 @@ class Scheme:
             return Attached(model, closers=[state.flush, state.close])
         state = zt.register(model, worker, self.compressor(world, rank, seed),
                             paths="auto" if self.kind == "hybrid" else "zerosum")
-        return Attached(model, closers=[state.close], paths=state.paths, failover=state.failover)
+        return Attached(model, closers=[state.close], paths=state.paths, failover=state.failover,
+                        compressor=state.compressor)
 
 
 def _diana(world, rank, seed, share, kept):
@@ -146,7 +153,7 @@ def _no_communication(state, bucket):
     return fut
 
 
-_ARITY = {"topk": (1, 1), "dgc": (1, 1), "qsgd": (1, 1), "diana": (1, 1), "localsgd": (1, 2)}
+_ARITY = {"topk": (1, 1), "tracked": (0, 1), "dgc": (1, 1), "qsgd": (1, 1), "diana": (1, 1), "localsgd": (1, 2)}
 
 
 def parse(text: str) -> Scheme:
@@ -170,6 +177,8 @@ def parse(text: str) -> Scheme:
         raise ValueError(f"scheme {text!r}: the warm-up must be a non-negative integer")
     if kind == "diana" and args[0] <= 0:
         raise ValueError(f"scheme {text!r}: the share must be positive")
+    if kind == "tracked" and args and not args[0] > 0:
+        raise ValueError(f"scheme {text!r}: the segment (in dense steps' bits) must be positive")
     return Scheme(text.strip(), kind, args)
 
 
