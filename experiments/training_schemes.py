@@ -351,14 +351,14 @@ def figure(result: dict, example: str, path: Path) -> None:
     plt.close(fig)
 
 
-def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]:
+def section(exp: Experiment, result: dict, name: str) -> list[str]:
     where = ("loopback (every process on this machine's cores, no link limit)" if result["rate"] == LOOPBACK
              else f"links shaped to {result['rate']} both ways (experiments/shaped_network.py: a network "
                   "namespace per worker, veth, tbf; one aggregator on every worker's host)")
     key = exp.key + (" (loopback)" if result["rate"] == LOOPBACK else "")
     lines = [f"## {key}: {exp.title}", "",
-             f"`python3 experiments/training_schemes.py {command}` (numbers below are its output): "
-             f"{result['workers']} workers on {where}; {result['steps']} steps ({result['warmup']} untimed), "
+             "`python3 experiments/training_schemes.py` (numbers below are its output; each model's command "
+             f"is given with it): {result['workers']} workers on {where}; {result['steps']} steps ({result['warmup']} untimed), "
              f"{exp.about}. Loss: the mean over ranks of each step's minibatch loss, {result['smooth']}-step "
              "trailing mean; target: the loss every-step ZeroSum reaches at 75 % of its steps, per run. Each model "
              "is trained once per seed (model initialisation and batches; seeds listed with it); a cell gives "
@@ -373,7 +373,8 @@ def section(exp: Experiment, result: dict, name: str, command: str) -> list[str]
         drops = "" if m["shaper_drops"] is None else \
             f" Packets the shapers dropped over the run: {m['shaper_drops']}; socket-buffer drops: {m['socket_buffer_drops']}."
         seeds = ", ".join(str(x) for x in m["seeds"])
-        lines += [f"**{example}** (`{' '.join(m['settings'])}`; seeds {seeds}).{drops}", "",
+        command = f"`python3 experiments/training_schemes.py {m['command']}`: " if m.get("command") else ""
+        lines += [f"**{example}** ({command}`{' '.join(m['settings'])}`; seeds {seeds}).{drops}", "",
                   table(m["runs"], m["targets"]), ""]
     return lines
 
@@ -397,27 +398,35 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--out", metavar="NAME", help="write docs/NAME.json, docs/NAME.png and the doc section "
                    "(default: the experiment's name; 'none' writes nothing)")
+    p.add_argument("--render", action="store_true",
+                   help="train nothing: rewrite the figures and the doc section from docs/NAME.json")
     args = p.parse_args(argv)
     exp = EXPERIMENTS[args.experiment]
     args.steps = args.steps or exp.steps
     args.example = args.example or list(MODELS)
-    if args.rate != LOOPBACK and os.geteuid() != 0:
+    if args.rate != LOOPBACK and os.geteuid() != 0 and not args.render:
         raise SystemExit("shaped links need root (network namespaces, veth, tbf); or use --rate loopback")
-    result = run_experiment(exp, args, extra)
     name = args.out or f"{args.experiment}_{'loopback' if args.rate == LOOPBACK else 'shaped'}"
-    if name != "none":
+    if args.render:
+        result = json.loads((DOCS / f"{name}.json").read_text())
+    else:
+        result = run_experiment(exp, args, extra)
+        for m in result["models"].values():
+            m["command"] = " ".join(argv_given)
+        if name == "none":
+            return 0
         result = with_earlier_models(result, DOCS / f"{name}.json")
         (DOCS / f"{name}.json").write_text(json.dumps(json_safe(result), indent=1))
-        for example in result["models"]:
-            figure(result, example, DOCS / f"{name}_{example}.png")
-        update_sections(DOCS / exp.doc, section(exp, result, name, " ".join(argv_given)))
-        # An experiment whose schemes this run also trained (S3's within S1's) gets its section from it.
-        for other in (e for e in EXPERIMENTS.values() if e.within == args.experiment and not args.schemes):
-            wanted = other.schemes.split(",")
-            subset = {**result, "models": {k: {**m, "runs": [[r for r in run if r["scheme"] in wanted]
-                                                             for run in m["runs"]]}
-                                          for k, m in result["models"].items()}}
-            update_sections(DOCS / other.doc, section(other, subset, name, " ".join(argv_given)))
+    for example in result["models"]:
+        figure(result, example, DOCS / f"{name}_{example}.png")
+    update_sections(DOCS / exp.doc, section(exp, result, name))
+    # An experiment whose schemes this run also trained (S3's within S1's) gets its section from it.
+    for other in (e for e in EXPERIMENTS.values() if e.within == args.experiment and not args.schemes):
+        wanted = other.schemes.split(",")
+        subset = {**result, "models": {k: {**m, "runs": [[r for r in run if r["scheme"] in wanted]
+                                                         for run in m["runs"]]}
+                                      for k, m in result["models"].items()}}
+        update_sections(DOCS / other.doc, section(other, subset, name))
     return 0
 
 
