@@ -633,6 +633,28 @@ def test_tracked_topk_follows_rebuilt_buckets_and_refuses_misuse():
         c.compress(g, ("1.weight",))
     for kwargs, words in [({"ratio": 1}, "ratio"), ({"segment_steps": 0}, "segment_steps"),
                           ({"warmup": 1}, "warmup"), ({"smooth": 0}, "smooth"), ({"smooth": 1.5}, "smooth"),
-                          ({"start": -1}, "start")]:
+                          ({"start": -1}, "start"), ({"start_density": 0}, "start_density"),
+                          ({"start_density": 1.5}, "start_density")]:
         with pytest.raises(ValueError, match=words):
             C.TrackedTopKBlocks(**kwargs)
+
+
+def test_tracked_topk_from_a_starting_density_begins_there_and_searches_around_it():
+    """start_density: the first steps keep that share of the blocks, the tracker starts at the level
+    nearest it (not dense), its segments are the first result's bits, and the grid is cut where a
+    union would cost what every block costs."""
+    c = C.TrackedTopKBlocks(block_size=4, ratio=2, start_density=0.05, segment_steps=2, warmup=0.5)
+    key = "k"
+    g = grad(n=400)                                       # 100 blocks of 4
+    assert len(nonzero_blocks(c.compress(g, key), 4)) == 5    # before any result: 5 % of the blocks
+    result = np.zeros_like(g)
+    result[:10 * 4] = 1.0                                 # a union of 10 blocks
+    c.decompress(result, 2, key)
+    t = c.trackers[key]
+    assert t.tracker.levels.tolist() == [100, 25, 12, 6, 3, 2, 1]   # unions of 2k < 100 blocks
+    assert t.tracker.levels[t.tracker.current] == 6 and t.k == 6    # nearest 5 blocks, in ratio
+    assert t.tracker.segment_bits == 2 * c.result_bits(10, 100)
+    # where a step does as much at every level, it walks down from there, never up to dense
+    played = _play_tracked(C.TrackedTopKBlocks(block_size=4, ratio=2, segment_steps=2, warmup=0.5,
+                                               start_density=0.1), 400, lambda k: 0.01)
+    assert played[0] == 6 and max(played) <= 8 and played[-1] == 1

@@ -17,10 +17,10 @@ class BucketLevels:
 
     restore_new = True      # a checkpoint may hold one that a fresh compressor has not made yet
 
-    def __init__(self, nblocks: int):
+    def __init__(self, nblocks: int, k: int):
         self.nblocks = nblocks
         self.tracker: LevelTracker | None = None   # made from the key's first non-zero result
-        self.k = nblocks                 # blocks kept at the key's next compress: dense until the tracker
+        self.k = k                       # blocks kept at the key's next compress (the start until the tracker)
         self.bits = 0.0                  # bits of the key's results observed so far
         self.pending = False             # compressed, result not observed yet
         self.played: list[int] = []      # k of every compress, in order
@@ -41,18 +41,22 @@ class TrackedTopKBlocks(TopKBlocks):
 
     - ``k``: the blocks the key's next `compress` keeps. It is set by `decompress` of the key's previous
       result, so the k of step t depends only on the results of steps before t. Until the first
-      non-zero result, k is every block (dense: with error feedback, uncompressed).
+      non-zero result, k is every block (dense: with error feedback, uncompressed), or with
+      `start_density` round(start_density × blocks): a level chosen before training by a stated rule
+      (e.g. 1 % of the blocks), from which the search moves one level at a time instead of walking
+      down from dense.
     - ``bits``: 8 × `common_blocks_bytes` of the union of the non-zero blocks of each result, summed
       over the key's results: the bytes of a worker that sends every block of the union (an upper bound
       on what a worker sends; what it receives), a function of the result alone.
     - potential: log ||result||², the squared norm summed in float64 in numpy's fixed pairwise order and
       logged by `math.log` (not BLAS, not numpy's SIMD log, whose last bits can differ between hosts),
       averaged over the last `smooth` results; a result that is all zero is not scored (its bits count).
-    - ``tracker``: made from the first non-zero result, which dense k gave: levels `level_grid(nblocks)`,
-      every block then k = round(nblocks / ratio^j), keeping the k whose result could cost fewer bits
-      than that dense result (a union of at most world·k blocks); segments of `segment_steps` times its
-      bits, the first `warmup` share of each unscored; starting at grid index `start` (0: dense; past
-      the end: the smallest k).
+    - ``tracker``: made from the first non-zero result: levels `level_grid(nblocks)`, every block then
+      k = round(nblocks / ratio^j), keeping the k whose result could cost fewer bits than a dense result
+      (a union of at most world·k blocks; the dense result's cost is that first result's when it was
+      dense, else every block's); segments of `segment_steps` times the first result's bits, the first
+      `warmup` share of each unscored; starting at grid index `start` (0: dense; past the end: the
+      smallest k), or with `start_density` at the level nearest its k (in ratio).
     - after each result: ``k = tracker.choose(potential, bits before it)``. The result of step t is
       the (compressed) gradient at the parameters step t started from, so its potential goes with the
       bits of the steps before t, as `LevelTracker.choose` expects; a switch takes effect one step after
@@ -75,8 +79,9 @@ class TrackedTopKBlocks(TopKBlocks):
     """
 
     def __init__(self, ratio: float = 2 ** 0.5, segment_steps: float = 4.0, warmup: float = 0.5,
-                 smooth: int = 1, start: int = 0, error_feedback: bool = True, block_size: int = 256,
-                 columns: int = 2048, max_datagram: int = P.MAX_DATAGRAM):
+                 smooth: int = 1, start: int = 0, start_density: float | None = None,
+                 error_feedback: bool = True, block_size: int = 256, columns: int = 2048,
+                 max_datagram: int = P.MAX_DATAGRAM):
         if not ratio > 1:
             raise ValueError(f"ratio between levels must be > 1, got {ratio}")
         if not segment_steps > 0:
@@ -87,9 +92,11 @@ class TrackedTopKBlocks(TopKBlocks):
             raise ValueError(f"smooth (results averaged in the potential) must be a positive integer, got {smooth}")
         if int(start) != start or start < 0:
             raise ValueError(f"start (an index into the levels, 0: dense) must be a non-negative integer, got {start}")
+        if start_density is not None and not 0 < start_density <= 1:
+            raise ValueError(f"start_density (a share of the blocks) must be in (0, 1], got {start_density}")
         super().__init__(density=1.0, error_feedback=error_feedback, block_size=block_size)
         self.ratio, self.segment_steps, self.warmup = float(ratio), float(segment_steps), float(warmup)
-        self.smooth, self.start = int(smooth), int(start)
+        self.smooth, self.start, self.start_density = int(smooth), int(start), start_density
         self.columns, self.max_datagram = columns, max_datagram
         self.trackers: dict = {}
 
@@ -105,11 +112,14 @@ class TrackedTopKBlocks(TopKBlocks):
         track = self.trackers.get(key)
         if track is None:
             self._forget_replaced(key)
-            track = self.trackers[key] = BucketLevels(nblocks)
+            track = self.trackers[key] = BucketLevels(nblocks, self._start_k(nblocks))
         elif track.nblocks != nblocks:
             raise ValueError(f"key {key!r} had {track.nblocks} blocks and now has {nblocks}: "
                              "its levels no longer fit it")
         return track
+
+    def _start_k(self, nblocks: int) -> int:
+        return nblocks if self.start_density is None else max(1, round(self.start_density * nblocks))
 
     def choose_k(self, rows: np.ndarray, key="default") -> int:
         track = self._track(key, len(rows))
@@ -137,13 +147,17 @@ class TrackedTopKBlocks(TopKBlocks):
         track.bits += bits
         return super().decompress(summed, world, key)
 
-    def _tracker(self, nblocks: int, union: int, world: int, dense_bits: float) -> LevelTracker:
-        """The tracker of a key whose first non-zero (dense) result had `union` blocks, costing `dense_bits`."""
+    def _tracker(self, nblocks: int, union: int, world: int, first_bits: float) -> LevelTracker:
+        """The tracker of a key whose first non-zero result had `union` blocks, costing `first_bits`."""
         def sparse(k):       # at most world·k blocks in the union when each worker keeps k
             return self.result_bits(np.minimum(world * np.asarray(k), nblocks), nblocks)
+        started_dense = self._start_k(nblocks) == nblocks
+        dense_bits = first_bits if started_dense else float(self.result_bits(nblocks, nblocks))
         levels = level_grid(nblocks, sparse, dense_bits, self.ratio)
-        return LevelTracker(levels, self.segment_steps * dense_bits, start=min(self.start, len(levels) - 1),
-                            warmup=self.warmup)
+        start = min(self.start, len(levels) - 1)
+        if not started_dense:     # the level nearest the starting k, in ratio
+            start = int(np.argmin(np.abs(np.log(levels / self._start_k(nblocks)))))
+        return LevelTracker(levels, self.segment_steps * first_bits, start=start, warmup=self.warmup)
 
     def _forget_replaced(self, key) -> None:
         if not isinstance(key, tuple):

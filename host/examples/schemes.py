@@ -8,9 +8,10 @@ several side by side (`--schemes local,gloo,zerosum,topk:0.01,localsgd:8`).
     hybrid           the same hook choosing per bucket between ZeroSum and gloo's ring, whichever is
                      faster at the bucket's density (register(..., paths="auto"); zerosum.hybrid)
     topk:D           ZeroSum + top-k blocks with error feedback, density D (TopKBlocks)
-    tracked[:S]      ZeroSum + top-k blocks with error feedback, k per bucket tracked online by the
-                     measured decrease of log ||result||² per bit, segments of S dense steps' bits
-                     (default 4; TrackedTopKBlocks, a LevelTracker per bucket)
+    tracked[:S[:D]]  ZeroSum + top-k blocks with error feedback, k per bucket tracked online by the
+                     measured decrease of log ||result||² per bit, segments of S first steps' bits
+                     (default 4), starting dense or from density D (a level chosen before training,
+                     e.g. 0.01; TrackedTopKBlocks, a LevelTracker per bucket)
     dgc:D            ZeroSum + deep gradient compression, final density D (DGC, its warm-up schedule)
     qsgd:S           ZeroSum + QSGD with S levels (QSGD)
     terngrad         ZeroSum + TernGrad (TernGrad)
@@ -89,7 +90,7 @@ class Scheme:
         if self.kind == "topk":
             return C.TopKBlocks(density=a[0])
         if self.kind == "tracked":
-            return C.TrackedTopKBlocks(**({"segment_steps": a[0]} if a else {}))
+            return C.TrackedTopKBlocks(**dict(zip(("segment_steps", "start_density"), a)))
         if self.kind == "dgc":
             return C.DGC(density=a[0], world=world, seed=seed)
         if self.kind == "qsgd":
@@ -153,7 +154,7 @@ def _no_communication(state, bucket):
     return fut
 
 
-_ARITY = {"topk": (1, 1), "tracked": (0, 1), "dgc": (1, 1), "qsgd": (1, 1), "diana": (1, 1), "localsgd": (1, 2)}
+_ARITY = {"topk": (1, 1), "tracked": (0, 2), "dgc": (1, 1), "qsgd": (1, 1), "diana": (1, 1), "localsgd": (1, 2)}
 
 
 def parse(text: str) -> Scheme:
@@ -178,7 +179,9 @@ def parse(text: str) -> Scheme:
     if kind == "diana" and args[0] <= 0:
         raise ValueError(f"scheme {text!r}: the share must be positive")
     if kind == "tracked" and args and not args[0] > 0:
-        raise ValueError(f"scheme {text!r}: the segment (in dense steps' bits) must be positive")
+        raise ValueError(f"scheme {text!r}: the segment (in first steps' bits) must be positive")
+    if kind == "tracked" and len(args) > 1 and not 0 < args[1] <= 1:
+        raise ValueError(f"scheme {text!r}: the starting density must be in (0, 1]")
     return Scheme(text.strip(), kind, args)
 
 
