@@ -74,9 +74,11 @@ def test_scheme_names_parse_or_fail_clearly():
     assert not S.parse("gloo").uses_zerosum and not S.parse("local").uses_zerosum
     assert S.parse("tracked").args == () and S.parse("tracked").compressor(2, 0, 0).segment_steps == 4
     assert S.parse("tracked:8").compressor(2, 0, 0).segment_steps == 8 and S.parse("tracked").density(2) is None
+    assert S.parse("tracked:4:0.01").compressor(2, 0, 0).start_density == 0.01
     for bad, words in [("topk", "takes 1"), ("topk:2", "density"), ("qsgd:2.5", "levels"), ("fancy", "unknown"),
                        ("localsgd:0", "period"), ("localsgd:2:-1", "warm-up"), ("delayed:1", "takes 0"),
-                       ("topk:x", "numbers"), ("tracked:0", "segment"), ("tracked:1:2", "takes 0 to 1")]:
+                       ("topk:x", "numbers"), ("tracked:0", "segment"), ("tracked:1:2", "starting density"),
+                       ("tracked:1:0.1:3", "takes 0 to 2")]:
         with pytest.raises(ValueError, match=words):
             S.parse(bad)
     with pytest.raises(ValueError, match="twice"):
