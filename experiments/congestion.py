@@ -51,8 +51,9 @@ def tensor(job: int, rank: int, size: int) -> np.ndarray:
     return np.random.default_rng([job, rank]).standard_normal(size).astype(np.float32)
 
 
-def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, window, congestion, start_at, q):
-    """One worker: waits until `start_at` (time.time()), then reduces its tensor back to back for
+def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, window, congestion, start, delay, q):
+    """One worker: joins, warms up and says so on `q`, waits until `delay` seconds after the time.time()
+    that the parent then puts into `start` (shared), then reduces its tensor back to back for
     `seconds` (at least one allreduce) or `rounds` allreduces; reports every allreduce's end and
     duration, the retransmissions, where its window settled, and whether every sum was exact."""
     try:
@@ -65,7 +66,10 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
         with Worker(rank, world, [address], job=job, block_size=BLOCK, key=key, window=window, congestion=congestion,
                     timeout=20) as w:
             w.allreduce(x[: BLOCK * 64])       # joined, kernels warm
-            time.sleep(max(0.0, start_at - time.time()))
+            q.put({"ready": (job, rank)})
+            while not start.value:
+                time.sleep(0.01)
+            time.sleep(max(0.0, start.value + delay - time.time()))
             log, exact = [], True
             first = time.time()
             while (len(log) < rounds) if rounds else (time.time() - first < seconds or not log):
@@ -77,7 +81,8 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
             q.put({"job": job, "rank": rank, "log": log, "exact": exact,
                    "retransmitted": w.stats.retransmitted_entries, "sent": w.stats.bytes_sent,
                    "window": w.stats.window, "srtt": w.stats.srtt, "cuts": list(w.stats.window_cuts),
-                   "spurious": w.stats.spurious_entries})
+                   "spurious": w.stats.spurious_entries, "drains": w.stats.drains,
+                   "competitive": w.stats.competitive})
     except Exception as e:
         q.put({"job": job, "rank": rank, "error": f"{type(e).__name__}: {e}"})
 
@@ -96,15 +101,20 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
     key = new_key()
     with star(hosts, mtu, worker_rate, rates) as (ns, drops), \
             aggregator_on(ns["a0"], aggregator_ip(0), key=key) as agg:
-        q = CTX.Queue()
-        t0 = time.time() + 4.0             # every rank joined and warm by then
+        q, start = CTX.Queue(), CTX.Value("d", 0.0)
         starts = starts or [0.0] * len(jobs)
         procs = [CTX.Process(target=_rank, daemon=True,
                              args=(ns[f"j{j}w{r}"], 100 + j, r, world, agg.address, key, size, seconds, rounds,
-                                   window, congestion, t0 + starts[j], q))
+                                   window, congestion, start, starts[j], q))
                  for j, world in enumerate(jobs) for r in range(world)]
         for p in procs:
             p.start()
+        # the clock starts once every rank has joined and warmed up (on a loaded machine that takes seconds),
+        # so that the jobs' start offsets hold
+        reports = [q.get(timeout=300) for _ in procs]
+        failed = [r for r in reports if "ready" not in r]
+        t0 = time.time() + 1.5
+        start.value = t0
         iperf = None
         if tcp_seconds:
             server = subprocess.Popen([*on_host(ns["a0"]), "iperf3", "-s", "-1"],
@@ -115,7 +125,7 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
         if rate_change:
             time.sleep(max(0.0, t0 + rate_change[0] - time.time()))
             change_rate(ns["a0"], rate_change[1])
-        reports = [q.get(timeout=600) for _ in procs]
+        reports = failed + [q.get(timeout=600) for _ in range(len(procs) - len(failed))]
         for p in procs:
             p.join(10)
         out = {"jobs": [], "t0": t0, "shaper_drops": drops()[0]}
@@ -134,7 +144,8 @@ def run_jobs(jobs, *, worker_rate, aggregator_rate, mtu, size, seconds=0.0, roun
             "log": mine[0]["log"], "exact": mine[0]["exact"],
             "retransmitted": sum(r["retransmitted"] for r in mine), "sent": sum(r["sent"] for r in mine),
             "spurious": sum(r["spurious"] for r in mine), "windows": [r["window"] for r in mine], "srtt": [r["srtt"] for r in mine],
-            "cuts": [r["cuts"] for r in mine]})
+            "cuts": [r["cuts"] for r in mine], "drains": [r["drains"] for r in mine],
+            "competitive": [r["competitive"] for r in mine]})
     return out
 
 

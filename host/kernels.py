@@ -508,17 +508,23 @@ class WorkerState(NamedTuple):
 # f[]: timing and the congestion window
 (F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
- F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT) = range(23)
+ F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
+ F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND) = range(30)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
- I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM) = range(31)
-N_I = I_PACE_FROM + 1
+ I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
+ I_COMPETITIVE, I_DRAINS) = range(33)
+N_I = I_DRAINS + 1
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
-# ready for want of credit; I_PACE_FROM: the aggregator whose columns the next flush takes first (R-C7)
+# ready for want of credit; I_PACE_FROM: the aggregator whose columns the next flush takes first (R-C7).
+# F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
+# F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
+# (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
+# I_COMPETITIVE: the last drain found a queue that did not drain (R-C8); I_DRAINS: drains so far
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -552,7 +558,7 @@ def update_rto(st):
     f[F_BASE_RTO] = min(max(f[F_SRTT] + 4 * f[F_RTTVAR], f[F_MIN_RTO]), f[F_MAX_RTO])
 
 
-# -- the congestion window (docs/protocol.md, R-C1..R-C5) -------------------------------------------------
+# -- the congestion window (docs/protocol.md, R-C1..R-C6, R-C8) -----------------------------------------
 
 INITIAL_WINDOW = 10     # entries (R-C1; TCP's initial window of ten segments, RFC 6928)
 DELAY_GAIN = 0.8        # R-C3: the cut per unit of relative excess delay (Swift, SIGCOMM'20, beta)
@@ -562,6 +568,12 @@ RANDOM_LOSS_CUT = 0.8   # R-C4: a loss with no queue to speak of (TCP Veno, JSAC
 ECN_CUT = 0.5           # R-C6: an epoch with an ECN mark (RFC 3168, section 6.1.2: as a loss, by half)
 MAX_REORDER_MULT = 16   # R-C4: the reordering window grows to at most 16x (RFC 8985, section 6.2.4)
 REORDER_RESET = 16      # R-C4: back to 1x after this many loss detections without a spurious one
+DRAIN_PERIOD = 1.0      # R-C8: every worker drains at each multiple of this many seconds of the wall clock
+DRAIN_TIME = 0.02       # R-C8: a drain lasts two smoothed round trips in whole multiples of this
+DRAIN_MAX = 0.2         # R-C8: and at most this long (BBR's ProbeRTT: 200 ms)
+DRAIN_WINDOW = 2        # R-C8: entries in flight while draining (BBR's ProbeRTT: 4 packets)
+COMPETITIVE_DRAINS = 2  # R-C8: drains in a row that find the queue empty before delay counts again
+COMPETITIVE_CUT = 0.5   # R-C8: the loss cut beside a flow that does not yield (Reno's, RFC 5681)
 
 
 @njit(**JIT)
@@ -603,6 +615,8 @@ def end_epoch(st, now):
     i[I_MARKED] = marked
     f[F_QUEUE] = rtt - f[F_MIN_RTT]
     excess = f[F_QUEUE] - f[F_TARGET]
+    if i[I_COMPETITIVE]:
+        excess = -np.inf            # R-C8: beside a flow that keeps the queue, delay is no signal
     if (marked or excess > -0.5 * f[F_TARGET]) and f[F_CWND] < f[F_SSTHRESH]:
         f[F_SSTHRESH] = f[F_CWND]   # the queue grows: leave slow start before it overshoots (HyStart)
     if (marked or excess > 0.0) and now >= f[F_NEXT_CUT]:
@@ -628,19 +642,31 @@ def on_rounds(st, acked, rtt, now, sent):
     tensor, limits what is in flight. R-C3: the epoch's verdict (end_epoch)."""
     f, i = st.f, st.i
     entry = np.float64(i[I_ENTRY])
+    if f[F_DRAIN_END] > -np.inf:    # draining (R-C8): only the round trips count
+        if rtt >= 0.0:
+            f[F_MIN_RTT] = min(f[F_MIN_RTT], rtt)
+            if sent >= f[F_DRAIN_START]:
+                f[F_DRAIN_MIN] = min(f[F_DRAIN_MIN], rtt)
+        return
     if rtt >= 0.0:
         f[F_MIN_RTT] = min(f[F_MIN_RTT], rtt)
         f[F_EPOCH_MIN] = min(f[F_EPOCH_MIN], rtt)
         if sent >= f[F_EPOCH_START]:
             end_epoch(st, now)
-    if f[F_QUEUE] > f[F_TARGET] or st.i[I_MARKED]:
+    if (f[F_QUEUE] > f[F_TARGET] and not i[I_COMPETITIVE]) or st.i[I_MARKED]:
         return                      # above the target: no growth until an epoch says otherwise
     if i[I_ADMITTED] >= st.round_block.shape[0]:
         return                      # every column is admitted: the window is not what limits
     if f[F_CWND] < f[F_SSTHRESH]:
-        f[F_CWND] += acked * entry
+        f[F_CWND] += acked * entry / (st.hdr[2] if i[I_COMPETITIVE] else 1)
     else:
-        f[F_CWND] += acked * entry * entry / f[F_CWND]
+        grow = acked * entry * entry / f[F_CWND]
+        if i[I_COMPETITIVE]:
+            # R-C8: the W ranks of a job are W flows into the aggregator's link; AIMD's rate goes with
+            # the square root of its increase (Floyd, Handley & Padhye, ICSI TR-00-002, 2000, section 2),
+            # so W ranks growing by 1/W² of an entry per round trip take together what one Reno flow takes
+            grow /= st.hdr[2] * st.hdr[2]
+        f[F_CWND] += grow
     f[F_CWND] = min(f[F_CWND], f[F_CAP])
     set_window(st)
 
@@ -682,8 +708,9 @@ def on_loss(st, now):
         st.i[I_LOSS_CUTS] += 1
         queued = st.f[F_QUEUE] >= 0.5 * st.f[F_TARGET] or st.i[I_MARKED] != 0
         prior_cwnd, prior_ssthresh = st.f[F_CWND], st.f[F_SSTHRESH]
-        cut_window(st, LOSS_CUT if queued else RANDOM_LOSS_CUT, now)
-        st.f[F_PRIOR_CWND], st.f[F_PRIOR_SSTHRESH] = prior_cwnd, prior_ssthresh
+        cut_window(st, COMPETITIVE_CUT if st.i[I_COMPETITIVE] else LOSS_CUT if queued else RANDOM_LOSS_CUT, now)
+        if not st.i[I_COMPETITIVE]:     # beside a flow that fills the queue, losses are real
+            st.f[F_PRIOR_CWND], st.f[F_PRIOR_SSTHRESH] = prior_cwnd, prior_ssthresh
 
 
 @njit(**JIT)
@@ -707,6 +734,73 @@ def on_spurious(st, entries, now):
     if f[F_REO_EPOCH] != f[F_EPOCH_START]:
         f[F_REO_EPOCH] = f[F_EPOCH_START]
         i[I_REO_MULT] = min(i[I_REO_MULT] + 1, MAX_REORDER_MULT)
+
+
+@njit(**JIT)
+def drain_step(st, now):
+    """R-C8, once per flush: start a drain when the wall clock passes a multiple of the drain period, end
+    it when its time is up. Every worker of every job sharing a queue drains at the same moments (the
+    period is counted on the wall clock, which the hosts of a cluster share within milliseconds), so
+    the queue that they alone make empties, and each of them sees the path's least round trip: one
+    that started behind another's queue took that queue for the path (the latecomer's advantage of
+    delay-based control), and would hold it ever after. BBR's ProbeRTT drains for the same reason,
+    synchronised by the drained queue rather than by a clock (Cardwell et al., ACM Queue 14(5), 2016)."""
+    f, i = st.f, st.i
+    if not i[I_CONGESTION] or not i[I_HAS_SRTT]:
+        return
+    if f[F_DRAIN_END] > -np.inf:
+        if now >= f[F_DRAIN_END]:
+            end_drain(st, now)
+        return
+    slot = math.floor((now + f[F_WALL_CLOCK]) / f[F_DRAIN_PERIOD])
+    if f[F_DRAIN_SLOT] == -np.inf:
+        f[F_DRAIN_SLOT] = slot          # the first period is not drained: the estimate is fresh
+    if slot <= f[F_DRAIN_SLOT]:
+        return
+    f[F_DRAIN_SLOT] = slot
+    # two smoothed round trips, in whole DRAIN_TIMEs from the period's start: the ranks of a job (whose
+    # round trips are alike) end their drains together, as they began them; a rank that resumed alone
+    # would send rounds that wait for the others' entries, which its loss detection takes for losses
+    length = min(math.ceil(max(DRAIN_TIME, 2.0 * f[F_SRTT]) / DRAIN_TIME) * DRAIN_TIME, DRAIN_MAX)
+    end = slot * f[F_DRAIN_PERIOD] - f[F_WALL_CLOCK] + length
+    if now >= end:
+        return
+    i[I_DRAINS] += 1
+    f[F_DRAIN_CWND] = f[F_CWND]
+    f[F_DRAIN_START] = now
+    f[F_DRAIN_END] = end
+    f[F_DRAIN_MIN] = np.inf
+    f[F_CWND] = min(f[F_CWND], np.float64(DRAIN_WINDOW * i[I_ENTRY]))
+    set_window(st)
+
+
+@njit(**JIT)
+def end_drain(st, now):
+    """R-C8: the drain is over: the window it saved comes back, and a new measurement epoch begins. The
+    verdict: when the least round trip of the rounds sent while draining stayed more than half the delay
+    target above the least seen, the queue did not drain although every ZeroSum worker drained: a flow
+    that does not yield to delay (loss-based TCP) keeps it. Until COMPETITIVE_DRAINS drains in a row find
+    the queue empty, the window then ignores delay, grows from slow start and is halved on loss, as
+    loss-based flows are (Copa's competitive mode, Arun & Balakrishnan, NSDI'18, section 5)."""
+    f, i = st.f, st.i
+    f[F_CWND] = max(f[F_CWND], f[F_DRAIN_CWND])
+    f[F_DRAIN_END] = -np.inf
+    f[F_EPOCH_START] = now
+    f[F_EPOCH_MIN] = np.inf
+    if np.isfinite(f[F_DRAIN_MIN]):
+        if f[F_DRAIN_MIN] > f[F_MIN_RTT] + 0.5 * f[F_TARGET]:
+            if not i[I_COMPETITIVE]:
+                f[F_SSTHRESH] = np.inf
+            i[I_COMPETITIVE] = COMPETITIVE_DRAINS
+        elif i[I_COMPETITIVE]:
+            i[I_COMPETITIVE] -= 1       # back to delay after COMPETITIVE_DRAINS drains that found no queue
+    set_window(st)
+
+
+@njit(inline="always", **JIT)
+def drain_timer(st):
+    """R-C8: when the drain under way ends (inf: none)."""
+    return st.f[F_DRAIN_END] if st.f[F_DRAIN_END] > -np.inf else np.inf
 
 
 # -- the pacer (docs/protocol.md, R-C7) ------------------------------------------------------------------
@@ -874,6 +968,7 @@ def flush_ready(st, now):
     (st.cuts)."""
     S = st.round_block.shape[0]
     detect_loss(st, now)
+    drain_step(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
     n, columns, held, resume = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto,
@@ -900,7 +995,7 @@ def timer(st):
     R-C7); inf when done."""
     if st.i[I_REMAINING] == 0:
         return np.inf
-    return min(recovery_timer(st), pace_timer(st))
+    return min(recovery_timer(st), pace_timer(st), drain_timer(st))
 
 
 @njit(**JIT)
@@ -993,6 +1088,6 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
         now = T.monotonic(rx.clock)
         if now >= t:
             return TIMER, 0, 0, 0
-        t = min(t, pace_timer(st))            # the pacer's columns go out here, in the next flush_ready
+        t = min(t, pace_timer(st), drain_timer(st))   # the pacer's columns go out in the next flush_ready
         wait = (0 if n == rx.length.shape[0] or t <= now else
                 max(1, np.int64(min(1000.0, math.ceil((t - now) * 1000.0)))))

@@ -39,6 +39,8 @@ class WorkerStats:
     min_rtt: float | None = None
     window_cuts: tuple = (0, 0)  # congestion window cuts for delay and for loss (R-C3, R-C4), all allreduces
     spurious_entries: int = 0    # resent entries the aggregator already held (its STATUS answers; R-C4)
+    drains: int = 0              # the congestion window's drains (R-C8), all allreduces
+    competitive: bool = False    # the last drain found a queue that another flow keeps (R-C8)
 
 
 def _aggregator_list(aggregators) -> tuple[list[str], list[tuple[str, int]]]:
@@ -121,7 +123,9 @@ class Worker:
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
                                    window=window, congestion=bool(congestion), delay_target=float(delay_target),
-                                   pacing=bool(pacing))
+                                   pacing=bool(pacing),
+                                   # R-C8: drains fall on the wall clock's periods, time.monotonic() drives
+                                   wall_clock=time.time() - time.monotonic())
         self.set_silence(silence)     # R-L7
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
@@ -454,6 +458,8 @@ class Worker:
             cuts = m.window_cuts
             self.stats.window_cuts = (self.stats.window_cuts[0] + cuts[0], self.stats.window_cuts[1] + cuts[1])
             self.stats.spurious_entries += m.spurious_entries
+            self.stats.drains += m.drains
+            self.stats.competitive = self._path.competitive > 0
             self.last_union = (m.union_blocks, source.nblocks)
         self.stats.allreduces += 1
 

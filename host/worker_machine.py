@@ -43,6 +43,8 @@ class PathEstimate(NamedTuple):
     ssthresh: float
     min_rtt: float
     reorder: int = 1        # the reordering window's multiple (R-C4)
+    drain_slot: float = -np.inf   # the last wall-clock period drained (R-C8)
+    competitive: int = 0          # drains without a queue to go before delay counts again (R-C8)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class WorkerConfig:
     delay_target: float = DELAY_TARGET   # R-C3: queueing delay the congestion window allows, in seconds
     pacing: bool = True      # R-C7: the congestion window's sends are paced (False: bursts, to compare)
     silence: float | None = None  # R-L7: an aggregator quiet this long while awaited is gone (None: only timeout)
+    wall_clock: float = 0.0  # wall-clock time minus the driver's `now`: drains start on the wall clock (R-C8)
 
 
 class JoinMachine:
@@ -221,13 +224,15 @@ class AllreduceMachine:
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
-                        0.0, 0.0, 0.0, np.nan, 0.0, -np.inf], np.float64),
+                        0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, K.DRAIN_PERIOD,
+                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0], np.float64),
             i=np.zeros(K.N_I, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
         i[K.I_CONGESTION] = congestion
         i[K.I_PACING] = congestion and config.pacing
         i[K.I_REO_MULT] = 1 if fresh else path.reorder
+        i[K.I_COMPETITIVE] = 0 if fresh else path.competitive
         i[K.I_ENTRY] = entry
         i[K.I_ADMITTED] = S if window >= S else 0
         i[K.I_WINDOW] = window
@@ -291,6 +296,11 @@ class AllreduceMachine:
         return int(self.st.i[K.I_MARKS])
 
     @property
+    def drains(self) -> int:
+        """Drains of the congestion window in this allreduce (R-C8)."""
+        return int(self.st.i[K.I_DRAINS])
+
+    @property
     def spurious_entries(self) -> int:
         """Resent entries that the aggregator answered with STATUS: it held them already (R-C4)."""
         return int(self.st.i[K.I_SPURIOUS])
@@ -299,8 +309,11 @@ class AllreduceMachine:
     def path(self) -> PathEstimate:
         """What this allreduce learnt about the path, for the next one."""
         f = self.st.f
-        return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(f[K.F_CWND]), float(f[K.F_SSTHRESH]),
-                            float(f[K.F_MIN_RTT]), int(self.st.i[K.I_REO_MULT]))
+        draining = f[K.F_DRAIN_END] > -np.inf       # an allreduce that ends while draining: the saved window
+        cwnd = max(f[K.F_CWND], f[K.F_DRAIN_CWND]) if draining else f[K.F_CWND]
+        return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(cwnd), float(f[K.F_SSTHRESH]),
+                            float(f[K.F_MIN_RTT]), int(self.st.i[K.I_REO_MULT]), float(f[K.F_DRAIN_SLOT]),
+                            int(self.st.i[K.I_COMPETITIVE]))
 
     @property
     def srtt(self):

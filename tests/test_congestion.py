@@ -20,13 +20,13 @@ ENTRY = P.ENTRY_SIZE + 4 * B
 MBIT = 1e6 / 8
 
 
-def machine(columns=64, aggregators=1, **cfg):
+def machine(columns=64, aggregators=1, path=None, **cfg):
     cfg.setdefault("window", "auto")
     x = np.ones(columns * B, np.float32)
     source = BlockSource.dense(x, B)
     config = WorkerConfig(rank=0, world=2, job=1, block_size=B, **cfg)
     return AllreduceMachine(config, 1, source, Layout(aggregators, columns // aggregators, source.nblocks),
-                            DenseResult(np.zeros_like(x)))
+                            DenseResult(np.zeros_like(x)), path=path)
 
 
 def test_initial_window_and_slow_start():
@@ -110,6 +110,103 @@ def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering
     assert m.window_cuts == (1, 0) and cut < 40 * ENTRY
     K.on_spurious(st, 1, 1.101)
     assert m.cwnd == cut
+
+
+def draining(wall_clock=0.0, srtt=0.01, cwnd=40, min_rtt=0.001):
+    m = machine(wall_clock=wall_clock)
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = srtt, 1
+    st.f[K.F_CWND], st.f[K.F_MIN_RTT] = cwnd * ENTRY, min_rtt
+    K.set_window(st)
+    return m
+
+
+def test_drains_fall_on_the_wall_clocks_periods_and_end_together_on_every_rank():
+    """R-C8: two ranks whose own clocks differ by 50 s, one wall clock: the first period is not drained;
+    at the next multiple of DRAIN_PERIOD both drop to DRAIN_WINDOW entries and end at the same wall-clock
+    moment (two round trips, in whole DRAIN_TIMEs, from the period's start), their windows restored."""
+    p = K.DRAIN_PERIOD
+    a, b = draining(wall_clock=100.3 * p, srtt=0.012), draining(wall_clock=50.3 * p, srtt=0.015)
+    for m, shift in ((a, 0.0), (b, 50 * p)):
+        K.drain_step(m.st, 0.5 * p + shift)                 # wall 100.8 periods: the first one seen
+        assert m.drains == 0 and m.window_columns == 40
+        K.drain_step(m.st, 0.7 * p + 0.001 + shift)         # wall 101.0 periods + 1 ms
+        assert m.drains == 1 and m.window_columns == K.DRAIN_WINDOW
+        assert K.drain_timer(m.st) == pytest.approx(0.7 * p + 2 * K.DRAIN_TIME + shift)  # 2 srtt: 2 DRAIN_TIMEs
+        K.drain_step(m.st, K.drain_timer(m.st) - 1e-6)
+        assert m.window_columns == K.DRAIN_WINDOW
+        K.drain_step(m.st, K.drain_timer(m.st))
+        assert m.window_columns == 40 and K.drain_timer(m.st) == np.inf
+        K.drain_step(m.st, 0.7 * p + 0.5 + shift)           # once per period
+        assert m.drains == 1
+    late = draining(wall_clock=0.0)
+    K.drain_step(late.st, 0.5 * p)
+    K.drain_step(late.st, p + 0.999 * K.DRAIN_TIME * 2)     # found the period when its drain was over: none
+    assert late.drains == 0 and late.window_columns == 40
+
+
+def test_a_drain_grows_nothing_and_measures_the_rounds_sent_in_it():
+    m = draining()
+    st = m.st
+    K.drain_step(st, 0.5 * K.DRAIN_PERIOD)
+    K.drain_step(st, K.DRAIN_PERIOD)
+    start = K.DRAIN_PERIOD
+    K.on_rounds(st, 5, 0.0004, start + 0.002, start - 0.003)       # sent before the drain: not its sample
+    assert st.f[K.F_DRAIN_MIN] == np.inf and st.f[K.F_MIN_RTT] == 0.0004
+    K.on_rounds(st, 5, 0.0009, start + 0.004, start + 0.003)
+    assert st.f[K.F_DRAIN_MIN] == 0.0009 and m.window_columns == K.DRAIN_WINDOW and m.window_cuts == (0, 0)
+    end = K.drain_timer(st)
+    K.drain_step(st, end)                                           # restored; a new epoch from the end on
+    assert m.window_columns == 40 and st.i[K.I_COMPETITIVE] == 0
+    assert st.f[K.F_EPOCH_START] == end and st.f[K.F_EPOCH_MIN] == np.inf
+
+
+def _drain_once(m, period, least):
+    """One drain in `period` whose rounds took at least `least` seconds."""
+    st = m.st
+    t = period * K.DRAIN_PERIOD
+    K.drain_step(st, t)
+    K.on_rounds(st, 1, least, t + 0.005, t + 0.001)
+    K.drain_step(st, K.drain_timer(st))
+
+
+def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_two_drains_find_it_empty():
+    """R-C8: every ZeroSum worker drained, yet the rounds sent meanwhile took more than half the delay
+    target above the least round trip: a flow that does not yield to delay keeps the queue. The window
+    then ignores delay and leaves it to losses (no delay cut, growth above the target, Reno's halving
+    that a spurious answer does not undo), until two drains in a row find the queue gone."""
+    m = draining(min_rtt=0.001)
+    st = m.st
+    K.drain_step(st, 0.5 * K.DRAIN_PERIOD)
+    _drain_once(m, 1, 0.001 + 0.6 * st.f[K.F_TARGET])
+    assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS and st.f[K.F_SSTHRESH] == np.inf
+    st.f[K.F_SSTHRESH] = m.cwnd
+    before = m.cwnd
+    now = 1.5 * K.DRAIN_PERIOD
+    K.on_rounds(st, 1, 0.03, now, now - 0.03)                      # 29 ms of queue: no cut, and growth
+    assert m.window_cuts == (0, 0) and m.cwnd == pytest.approx(before + ENTRY * ENTRY / before / 4)  # 1/world²
+    K.on_loss(st, now + 0.1)
+    assert m.cwnd == pytest.approx(0.5 * (before + ENTRY * ENTRY / before / 4))
+    cut = m.cwnd
+    K.on_spurious(st, 1, now + 0.101)
+    assert m.cwnd == cut                                            # losses beside such a flow are real
+    _drain_once(m, 2, 0.0012)                                       # the queue drained: one of two
+    assert st.i[K.I_COMPETITIVE] == 1
+    _drain_once(m, 3, 0.0012)
+    assert st.i[K.I_COMPETITIVE] == 0
+    path = m.path
+    assert path.competitive == 0 and path.drain_slot == 3
+
+
+def test_an_allreduce_that_ends_while_draining_hands_on_the_window_it_saved():
+    m = draining(cwnd=40)
+    K.drain_step(m.st, 0.5 * K.DRAIN_PERIOD)
+    K.drain_step(m.st, K.DRAIN_PERIOD)
+    assert m.window_columns == K.DRAIN_WINDOW
+    path = m.path
+    assert path.cwnd == 40 * ENTRY and path.drain_slot == 1
+    nxt = machine(path=path)
+    assert nxt.window_columns == 40 and nxt.st.f[K.F_DRAIN_SLOT] == 1
 
 
 def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
