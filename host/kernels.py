@@ -509,7 +509,7 @@ class WorkerState(NamedTuple):
 (F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
  F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
- F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND) = range(30)
+ F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM) = range(31)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
@@ -524,6 +524,7 @@ N_I = I_DRAINS + 1
 # F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
 # F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
 # (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
+# F_RACK_FROM: loss detection judges only rounds sent since (R-C8);
 # I_COMPETITIVE: the last drain found a queue that did not drain (R-C8); I_DRAINS: drains so far
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
@@ -679,14 +680,17 @@ def detect_loss(st, now):
     a path, but a round also waits for every other rank's entry, and ranks on shared cores send their
     entries milliseconds apart: the window must cover that skew, or every late rank looks like a loss."""
     f = st.f
-    if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0:
+    if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
     before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET]) * st.i[I_REO_MULT]
+    # R-C8: a round sent before the last drain began, or before a DRAIN_TIME after it ended, may wait for
+    # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
+    since = f[F_RACK_FROM]
     rb, ready, sent_at, deadline = st.round_block, st.ready, st.sent_at, st.deadline
     A = st.probe.shape[0]
     lost = False
     for c in range(st.i[I_ADMITTED]):
-        if sent_at[c] < before and rb[c] != END and rb[c] != BOOT and not ready[c]:
+        if since <= sent_at[c] < before and rb[c] != END and rb[c] != BOOT and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
             st.loss_confirmed[c % A] = True
             lost = True
@@ -769,6 +773,7 @@ def drain_step(st, now):
     f[F_DRAIN_CWND] = f[F_CWND]
     f[F_DRAIN_START] = now
     f[F_DRAIN_END] = end
+    f[F_RACK_FROM] = np.inf
     f[F_DRAIN_MIN] = np.inf
     f[F_CWND] = min(f[F_CWND], np.float64(DRAIN_WINDOW * i[I_ENTRY]))
     set_window(st)
@@ -784,6 +789,7 @@ def end_drain(st, now):
     loss-based flows are (Copa's competitive mode, Arun & Balakrishnan, NSDI'18, section 5)."""
     f, i = st.f, st.i
     f[F_CWND] = max(f[F_CWND], f[F_DRAIN_CWND])
+    f[F_RACK_FROM] = f[F_DRAIN_END] + DRAIN_TIME   # ranks whose drains differ by one DRAIN_TIME
     f[F_DRAIN_END] = -np.inf
     f[F_EPOCH_START] = now
     f[F_EPOCH_MIN] = np.inf

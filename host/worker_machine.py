@@ -225,7 +225,7 @@ class AllreduceMachine:
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, K.DRAIN_PERIOD,
-                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0], np.float64),
+                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf], np.float64),
             i=np.zeros(K.N_I, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i

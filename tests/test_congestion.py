@@ -232,6 +232,32 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
     assert st.i[K.I_REO_MULT] == 1 and st.i[K.I_REO_CLEAN] == 0
 
 
+def test_loss_detection_waits_out_a_drain_and_leaves_the_rounds_sent_before_it_to_the_timer():
+    """R-C8: while ranks drain, a round may wait for a rank that drained a moment earlier, as long as the
+    drain; RACK (R-C4) judges nothing during a drain, and afterwards only rounds sent since it began."""
+    m = machine()
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_MIN_RTT] = 0.001
+    st.i[K.I_ADMITTED] = 2
+    st.round_block[:2] = 3
+    st.sent_at[0], st.sent_at[1] = 1.0, 1.096                       # column 0 sent before the drain
+    st.deadline[:2] = 2.0
+    st.f[K.F_DRAIN_START], st.f[K.F_DRAIN_END], st.f[K.F_RACK_FROM] = 1.01, 1.03, np.inf   # as drain_step sets
+    st.f[K.F_DELIVERED_SENT] = 1.025
+    K.detect_loss(st, 1.029)                                        # draining: nothing is judged
+    assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
+    K.end_drain(st, 1.03)
+    assert st.f[K.F_RACK_FROM] == pytest.approx(1.03 + K.DRAIN_TIME)
+    st.f[K.F_DELIVERED_SENT] = 1.1
+    st.sent_at[0] = 1.045                                           # sent in the grace after the drain: the
+    K.detect_loss(st, 1.1)                                          # timer's, as are rounds sent before it
+    assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
+    st.sent_at[0] = 1.06                                            # sent after it, 40 ms before: lost
+    K.detect_loss(st, 1.1)
+    assert st.deadline[0] == 1.1 and st.deadline[1] == 2.0 and m.window_cuts == (0, 1)
+
+
 def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
     m = machine(columns=4)
     st = m.st
