@@ -44,6 +44,7 @@ JOBS = [(1, 2, 64), (2, 3, 256), (3, 4, 1024)]   # (job id, workers, block size)
 RESENT: dict[int, int] = {}                      # job -> entries its ranks retransmitted
 CRASHES: list[dict] = []                         # rank processes that ended without a report
 CPU: dict[int, list[float]] = {}                 # job -> CPU seconds per allreduce of each rank
+SETTLED: dict[int, list[tuple]] = {}             # job -> (window bytes, srtt s) where each rank's settled
 DROPS: dict[str, list[int]] = {}                 # phase -> packets dropped by shapers, sockets, reassembly (--rate)
 QUEUE_WINDOW = object()    # --window not given: with --rate 40 ms of the link rate (the shapers queue 50 ms)
 
@@ -87,7 +88,8 @@ def _rank(job, world, rank, block, address, size, density, rounds, loss, die, ma
                 exact &= got.tobytes() == ref.tobytes()
             cpu = (time.process_time() - cpu) / rounds
             return {"job": job, "rank": rank, "status": "ok", "value": statistics.median(times), "exact": exact,
-                    "retransmitted": w.stats.retransmitted_entries, "cpu_s": cpu}
+                    "retransmitted": w.stats.retransmitted_entries, "cpu_s": cpu,
+                    "window": w.stats.window, "srtt": w.stats.srtt}
     except Exception as e:       # reported, not raised: the run goes on
         return {"job": job, "rank": rank, "status": "error", "value": f"{type(e).__name__}: {e}", "exact": False}
 
@@ -142,6 +144,7 @@ def _run(address, specs, args, where=lambda job, rank: []):
             out.setdefault(rep["job"], []).append((rep["rank"], rep["status"], rep["value"], rep["exact"]))
             RESENT[rep["job"]] = RESENT.get(rep["job"], 0) + rep.get("retransmitted", 0)
             CPU.setdefault(rep["job"], []).append(rep.get("cpu_s", 0.0))
+            SETTLED.setdefault(rep["job"], []).append((rep.get("window", 0), rep.get("srtt")))
         elif not dead or p.returncode != 0:
             tail = " | ".join(err_text.strip().splitlines()[-12:]) or "no stderr"
             out.setdefault(job, []).append((r, "crash", f"exited with code {p.returncode} without a report; "
@@ -253,6 +256,7 @@ def main(argv=None) -> int:
         rows.append({"job": job, "workers": world, "block": block, "alone_s": ta, "together_s": tt, "exact": ok,
                      "retransmitted_alone": RESENT.get(job, 0), "retransmitted_together": RESENT.get(job + 10, 0),
                      "cpu_alone_s": max(CPU.get(job, [0.0])), "cpu_together_s": max(CPU.get(job + 10, [0.0])),
+                     "settled_together": SETTLED.get(job + 10, []),
                      "failures": [f"{phase}, rank {rank}: {value}" for phase, runs in (("alone", a), ("together", t))
                                   for rank, status, value, _ in runs if status != "ok"]})
         print(f"{job:>4} {world:>7} {block:>6} {ta:>8.4f} {tt:>10.4f} {tt / ta:>5.2f}x {'yes' if ok else 'NO'}")
@@ -265,6 +269,9 @@ def main(argv=None) -> int:
           ", ".join(f"job {job}: {RESENT.get(job, 0)} / {RESENT.get(job + 10, 0)}" for job, _, _ in JOBS))
     print("CPU seconds per allreduce (busiest rank), alone / together:",
           ", ".join(f"job {r['job']}: {r['cpu_alone_s']:.3f} / {r['cpu_together_s']:.3f}" for r in rows))
+    print("windows (kB) and smoothed round trips (ms) the ranks settled on, together:",
+          "; ".join(f"job {job}: " + ", ".join(f"{w / 1e3:.0f} kB {'-' if t is None else f'{t * 1e3:.1f} ms'}"
+                                               for w, t in SETTLED.get(job + 10, [])) for job, _, _ in JOBS))
     noisy = together.get(20, [])
     dead = together.get(30, [])
     print("noisy job (10 % loss, garbage alongside):",
