@@ -715,3 +715,29 @@ def test_the_best_level_in_hindsight_is_the_level_with_the_fewest_bits_to_each_t
             chosen.append(min(mean_bits, key=mean_bits.get))
             assert cell.startswith(f"τ = {chosen[-1]}: ")
     assert len(set(chosen)) > 1          # the problem separates the levels: the pick is no constant
+
+
+def test_e2_steps_and_bits_are_what_iterations_to_returns():
+    from compression import iterations_to, run, steps_and_bits
+    prob = _tiny_problem(workers=2)
+    L = 0.25 * np.linalg.eigvalsh(prob.X.T @ prob.X / len(prob.y)).max() + prob.lam
+    make = lambda: [C.DIANA(C.RandomKBlocks(2, tau=2, seed=3, rank=r, block_size=2), omega=1) for r in range(2)]
+    _, fstar = prob.optimum()
+    for eps, cap in ((1e-4, 400), (1e-12, 20)):                       # reached; not within the cap
+        expected = iterations_to(prob, make(), 1 / (2 * L), eps, cap, fstar, 2)
+        assert steps_and_bits(run(prob, make(), cap, 1 / (2 * L), 2, eps), eps) == expected
+
+
+def test_e5_counts_zerosum_bytes_and_block_values_with_indices_and_epochs_to_the_target():
+    from dgc import BLOCK, TARGET, step_bits, to_target
+    own = np.zeros(10 * BLOCK + 3, np.float32)
+    own[[5, 3 * BLOCK, 3 * BLOCK + 1, 10 * BLOCK + 2]] = 1.0                # 3 of 11 blocks non-zero
+    other = np.zeros_like(own)
+    other[7 * BLOCK] = 1.0                                                 # a round only the other opens
+    zerosum, values = step_bits([own, other])
+    assert zerosum == 8 * C.wire_bytes(own, BLOCK, rounds=C.rounds_of([own, other], BLOCK))
+    assert values == 3 * (32 * BLOCK + 4)                                  # 11 blocks: 4-bit indices
+    runs = [([TARGET - 0.1, TARGET, TARGET + 0.1], [(1, 10), (2, 20), (3, 30)]),
+            ([TARGET - 0.1] * 3, [(1, 10), (2, 20), (3, 30)])]
+    assert to_target(runs, 0) == [(2, 2), (None, None)]
+    assert to_target(runs, 1) == [(2, 20), (None, None)]
