@@ -133,7 +133,9 @@ def density_table(trained, swept, names, args, d, steps_per_epoch):
     densities = sorted({density for _, density in swept})
     values = sum(p.numel() for p in model(d).parameters())
     blocks = -(-values // BLOCK)
-    dense_bits = lambda name: [(s, s * steps_per_epoch * 32 * values) for s, _ in to_target(trained[name], 0)]
+    dense_bits = lambda name: [(s, s and s * steps_per_epoch * 32 * values) for s, _ in to_target(trained[name], 0)]
+    if any(s is None for name in (dense, dense_m) for s, _ in dense_bits(name)):
+        return ["", f"Dense SGD does not reach {TARGET} in every seed within {args.epochs} epochs: no bits to it."]
     plain = {name: np.mean([b for _, b in dense_bits(name)]) for name in (dense, dense_m)}
     countings = ((0, f"ZeroSum packets ({BLOCK}-value blocks, as run)"),
                  (1, f"values and block indices ({BLOCK} float32 + {(blocks - 1).bit_length()} bits a block)"))
@@ -152,9 +154,11 @@ def density_table(trained, swept, names, args, d, steps_per_epoch):
              f"mean (min–max); '—': not reached in every seed within {args.epochs} epochs. 'before training': "
              f"density {args.density:g}, the DGC paper's 99.9 % sparsity; 'best density in hindsight': the density of "
              f"the sweep {', '.join(f'{v:g}' for v in densities)} with the fewest bits to the target on average, "
-             f"counted as in the row, named in the cell (top-k keeps at least one of the model's {blocks} blocks: "
-             f"up to {1.5 / blocks:.4f} the densities are the same one block; DGC's warm-up sends more in the first "
-             "epochs).", "",
+             f"counted as in the row, named in the cell; on ties (densities that keep the same blocks run the same) the "
+             f"smallest. Both keep whole {BLOCK}-value blocks and at least one of the model's {blocks}: top-k "
+             f"round(density·{blocks}), so every density below {1.5 / blocks:.4f} is one block, DGC "
+             f"ceil(density·{blocks}), its density being max(w, the final density) with w = 0.25, 0.0625, 0.0156, "
+             "0.004, 0.001 in epochs 1–5 (its warm-up), the final density after).", "",
              "| method | bits counted | to the target, × dense plain floats |", "|---|---|--:|"]
     for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)):
         lines += [f"| {base} | plain float32, no indices | {cell(dense_bits(base), plain[base])} |",
@@ -178,14 +182,14 @@ def against_best_density(swept, method, stated, densities, counting, plain, base
     level, best = cheapest_level({v: to_target(swept[method, v], counting) for v in densities})
     mine = to_target(swept[method, stated], counting)
     best_text = ("no density of the sweep reaches the target in every seed" if best is None else
-                 f"the best density in hindsight, {level:g}, needs {np.mean([b for _, b in best]) / plain:.3f}× "
+                 f"the best density in hindsight, {level:g}, needs {ratio_text([np.mean([b for _, b in best]) / plain])} "
                  f"the bits of {base} sent as plain floats")
     if any(s is None for s, _ in mine):
         reached = sum(s is not None for s, _ in mine)
         return f"density {stated:g} reaches the target in {reached} of {len(mine)} seeds; {best_text}"
     return (f"density {stated:g} needs {np.mean([b for _, b in mine]) / np.mean([b for _, b in best]):.2f}× the bits "
-            f"of the best density in hindsight ({level:g}) and {np.mean([b for _, b in mine]) / plain:.3f}× those of "
-            f"{base} sent as plain floats")
+            f"of the best density in hindsight ({level:g}) and {ratio_text([np.mean([b for _, b in mine]) / plain])} "
+            f"those of {base} sent as plain floats")
 
 
 def density_sweep_table(swept, densities, args, plain, names):
@@ -207,8 +211,10 @@ def density_sweep_table(swept, densities, args, plain, names):
 
 
 def ratio_text(values):
-    return f"{np.mean(values):.2f}×" if max(values) - min(values) < 0.005 else \
-        f"{np.mean(values):.2f}× ({min(values):.2f}–{max(values):.2f})"
+    """A ratio over the seeds: mean (min–max), two decimals, or two significant digits below 0.1."""
+    fmt = lambda v: f"{v:.2f}" if v >= 0.095 else f"{v:#.2g}"
+    low, mean, high = fmt(min(values)), fmt(np.mean(values)), fmt(max(values))
+    return f"{mean}×" if low == high else f"{mean}× ({low}–{high})"
 
 
 def main():
