@@ -134,7 +134,7 @@ def e2(args, plt, lines):
              "dense / DIANA, ZeroSum bits | dense plain / DIANA values only |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     ns, it_dense, it_raw, it_diana, it_eso, ratio, payloads = [], [], [], [], [], [], []
-    best_rows = []
+    best_rows, sweep_workers = [], {int(v) for v in args.e2_sweep_workers.split(",")}
     _, fstar = Problem(X, y, 1, lam).optimum()      # the same data, whatever the split
     per_dense = dense_step_bits(m)
     for n in (1, 2, 4, 8, 16, 32, 64):
@@ -148,9 +148,10 @@ def e2(args, plt, lines):
         def diana(seed):
             return [C.DIANA(C.RandomKBlocks(n, seed=seed, rank=r, block_size=B), omega=omega) for r in range(n)]
         g_steps, _ = iterations_to(prob, diana(E2_SEEDS[0]), gamma, eps, cap, fstar, B)
-        swept = e2_sweep(prob, n, tau, m, L, m_diag, eps, cap, B)
+        swept = e2_sweep(prob, n, tau, m, L, m_diag, eps, cap, B, n in sweep_workers)
         eso = [steps_and_bits(swept[("DIANA, ESO step", tau), seed], eps) for seed in E2_SEEDS]
-        best_rows.append(e2_best_level_row(swept, n, tau, eps, d_steps and d_steps * per_dense["plain floats"]))
+        if n in sweep_workers:
+            best_rows.append(e2_best_level_row(swept, n, tau, eps, d_steps and d_steps * per_dense["plain floats"]))
         fmt = lambda v: "—" if v is None else str(v)
         reached = d_steps is not None and all(st is not None for st, _ in eso)
         plain = d_steps * per_dense["plain floats"] if d_steps else None
@@ -184,7 +185,7 @@ def e2(args, plt, lines):
               "(4 payload bytes against 16 for the entry) the entries dominate and the bits per worker cannot "
               "fall with n; the claim holds for the payload. A block-sparse model with large blocks amortises "
               "the entries (E3, E6, the torch examples)."]
-    table += e2_best_level_table(best_rows, m, eps, cap)
+    table += e2_best_level_table(best_rows, sorted(sweep_workers), m, eps, cap)
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for label, its in (("dense", it_dense), ("random-k raw", it_raw), ("DIANA random-k (ISEGA)", it_diana),
                        ("DIANA random-k (ISEGA), ESO step", it_eso)):
@@ -205,13 +206,13 @@ def e2(args, plt, lines):
     lines += table
 
 
-def e2_sweep(prob, n, tau, m, L, m_diag, eps, cap, block_size):
-    """DIANA with the ESO step at τ = ⌈m/n⌉ and at each level of levels_up_to(m), to f − f* ≤ eps."""
+def e2_sweep(prob, n, tau, m, L, m_diag, eps, cap, block_size, swept_too):
+    """DIANA with the ESO step at τ = ⌈m/n⌉, and if swept_too at each level of levels_up_to(m), to f − f* ≤ eps."""
     diana = lambda t, seed: [C.DIANA(C.RandomKBlocks(n, tau=t, seed=seed, rank=r, block_size=block_size),
                                      omega=m / t - 1) for r in range(n)]
     eso_step = lambda t: 1 / (L + 2 * (m / t - 1) / n * m_diag)
-    levels = sorted(set(levels_up_to(m)) | {tau})
-    return sweep(prob, {"DIANA, ESO step": (diana, eso_step, True)}, levels, E2_SEEDS, cap, block_size, eps)
+    levels = sorted(set(levels_up_to(m)) | {tau}) if swept_too else [tau]
+    return sweep(prob, {"DIANA, ESO step": (diana, eso_step, True)}, levels, E2_SEEDS, cap, block_size, eps, m)
 
 
 def steps_and_bits(trajectory, eps):
@@ -248,9 +249,11 @@ def ratio_spread(values):
         f"{np.mean(values):.2f}× ({min(values):.2f}–{max(values):.2f})"
 
 
-def e2_best_level_table(rows, m, eps, cap):
+def e2_best_level_table(rows, workers, m, eps, cap):
     levels = ", ".join(map(str, levels_up_to(m)))
-    return ["", f"The level set before training against the best level in hindsight: DIANA with the ESO step "
+    return ["", f"The level set before training against the best level in hindsight, for n = "
+            f"{', '.join(map(str, workers))} (the other n are not swept: a sweep takes minutes per n and seed on "
+            f"the 2 cores these ran on): DIANA with the ESO step "
             f"at τ = ⌈m/n⌉ (the \"99%\" paper's rule, as in the table above) and at each τ of the sweep "
             f"{levels} and ⌈m/n⌉ ({m} = m: every block, i.e. dense GD with step 1/L, as run), each with its step "
             f"1/(L + 2(ω/n)·max_j M_jj), ω = m/τ − 1, seeds {', '.join(map(str, E2_SEEDS))}. Per n and per "
@@ -276,6 +279,8 @@ def main():
     p.add_argument("--e2-steps", type=int, default=6000)
     p.add_argument("--e2-lam", type=float, default=0.01,
                    help="E2's regulariser: the claim needs a condition number well above n (runs must finish)")
+    p.add_argument("--e2-sweep-workers", default="2,8,64",
+                   help="the n for which E2 sweeps τ for the best level in hindsight (each costs minutes)")
     p.add_argument("--only", default="e1,e2,e3", help="comma-separated experiments to run")
     args = p.parse_args()
     import matplotlib
@@ -335,16 +340,16 @@ def random_k_step(L, n, m):
     return lambda tau: 1 / (L * (1 + 2 * (m / tau - 1) / n))
 
 
-def sweep(problem, methods, levels, seeds, steps, block_size, stop_below, full_at=None):
+def sweep(problem, methods, levels, seeds, steps, block_size, stop_below, all_blocks, full_at=None):
     """Each method at each level τ (blocks per worker): {((method, τ), seed): (gaps, cumulative bits)}.
     methods[name] = (compressors(τ, seed), step size(τ), random). A method that draws nothing at random,
-    and any method at the last level (every block: nothing left to draw), runs once, with seeds[0], and
+    and any method at τ = all_blocks (every block: nothing left to draw), runs once, with seeds[0], and
     that run stands for every seed. Runs stop where f − f* ≤ stop_below, but at the level full_at (whose
     runs the table of final gaps and the figures show)."""
     trajectories = {}
     for name, (make, step, random) in methods.items():
         for tau in levels:
-            drawn = random and tau != levels[-1]
+            drawn = random and tau != all_blocks
             for seed in seeds if drawn else seeds[:1]:
                 stop = 0.0 if tau == full_at else stop_below
                 gaps, bits = run(problem, make(tau, seed), steps, step(tau), block_size, stop)
@@ -365,7 +370,7 @@ def e1(prob, n, tau, m, L, B, args, plt, lines):
     }
     levels = levels_up_to(m)
     trajectories = {("dense GD", E1_SEEDS[0]): run(prob, [C.NoCompression() for _ in range(n)], args.steps, 1 / L, B)}
-    trajectories.update(sweep(prob, methods, levels, E1_SEEDS, args.steps, B, min(TARGETS), tau))
+    trajectories.update(sweep(prob, methods, levels, E1_SEEDS, args.steps, B, min(TARGETS), m, tau))
     lines += ["## E1: DIANA vs compressed gradient descent without shifts", "",
               f"Random-k blocks, τ = {tau} of m = {m} blocks per worker (ω = {omega:g}), step 1/(L(1+2ω/n)).",
               "", "| method | f − f* after all steps | kbit sent per worker |", "|---|--:|--:|"]
@@ -561,7 +566,7 @@ def e3(prob, n, tau, m, L, B, args, plt, lines):
     }
     levels = levels_up_to(m)
     trajectories = {("dense GD", E3_SEEDS[0]): run(prob, [C.NoCompression() for _ in range(n)], args.steps, 1 / L, B)}
-    trajectories.update(sweep(prob, methods, levels, E3_SEEDS, args.steps, B, min(TARGETS), tau))
+    trajectories.update(sweep(prob, methods, levels, E3_SEEDS, args.steps, B, min(TARGETS), m, tau))
     lines += ["", "## E3: top-k with and without error feedback vs random-k vs dense", "",
               f"{tau} of {m} blocks per worker per step; step 1/L for dense and top-k, 1/(L(1+2ω/n)) for random-k.",
               "", "| method | f − f* after all steps | kbit sent per worker |", "|---|--:|--:|"]

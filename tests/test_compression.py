@@ -698,7 +698,7 @@ def test_the_best_level_in_hindsight_is_the_level_with_the_fewest_bits_to_each_t
     methods = {"DIANA": (lambda t, seed: [C.DIANA(C.RandomKBlocks(n, tau=t, seed=seed, rank=r, block_size=block),
                                                      omega=m / t - 1) for r in range(n)], random_k_step(L, n, m), True)}
     seeds, steps, levels = (1, 2), 400, levels_up_to(m)
-    trajectories = sweep(prob, methods, levels, seeds, steps, block, min(TARGETS), full_at=2)
+    trajectories = sweep(prob, methods, levels, seeds, steps, block, min(TARGETS), m, full_at=2)
     trajectories["dense GD", 1] = run(prob, [C.NoCompression() for _ in range(n)], steps, 1 / L, block)
     chosen = []
     for how, price in (("as run", priced_as_run), ("values only", values_only(block))):
