@@ -18,9 +18,12 @@ import numpy as np
 import torch
 
 from compression import load_libsvm
-from report import update_sections
+from report import cheapest_level, update_sections
 
 from zerosum import compression as C
+
+BLOCK = 256                                     # the compressors' block size (their default), ZeroSum's too
+TARGET = 0.845      # test accuracy, set before the sweep: dense SGD reaches it by epoch 2 in every seed
 
 
 def model(d, seed=0, linear=False):
@@ -31,15 +34,27 @@ def model(d, seed=0, linear=False):
                                torch.nn.ReLU(), torch.nn.Linear(256, 2))
 
 
+def step_bits(contributions, block_size=BLOCK):
+    """Bits worker 0 sends in one step: in ZeroSum packets (with the header-only entries for the rounds
+    only other workers open), and as its non-zero blocks' values with a block index each."""
+    own = contributions[0]
+    nblocks = -(-own.size // block_size)
+    zerosum = 8 * C.wire_bytes(own, block_size, rounds=C.rounds_of(contributions, block_size))
+    sent_blocks = int(np.count_nonzero(np.abs(np.pad(own, (0, nblocks * block_size - own.size)))
+                                       .reshape(nblocks, block_size).max(axis=1)))
+    return np.array([zerosum, sent_blocks * (32 * block_size + (nblocks - 1).bit_length())])
+
+
 def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
-    """Test accuracy after each epoch; `momentum` is heavy ball on the aggregate estimate (0: plain SGD)."""
+    """Test accuracy after each epoch, and the bits worker 0 sent by then (ZeroSum packets, values and
+    block indices: step_bits); `momentum` is heavy ball on the aggregate estimate (0: plain SGD)."""
     net = model(X.shape[1], seed, linear)
     params = list(net.parameters())
     comps = [make(r) for r in range(args.workers)]
     shards = np.array_split(np.random.default_rng(2 * seed).permutation(len(y)), args.workers)
     rng = np.random.default_rng(2 * seed + 1)
     velocity = [torch.zeros_like(p) for p in params]
-    accs = []
+    accs, bits, sent = [], [], np.zeros(2)
     for epoch in range(args.epochs):
         for c in comps:
             if hasattr(c, "set_epoch"):
@@ -54,6 +69,7 @@ def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
                 loss.backward()
                 g = torch.cat([p.grad.reshape(-1) for p in params]).numpy()
                 contributions.append(comps[r].compress(g, 0))
+            sent += step_bits(contributions)
             est = comps[0].decompress(np.sum(contributions, axis=0), args.workers, 0)
             with torch.no_grad():
                 off = 0
@@ -63,8 +79,9 @@ def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
                     off += p.numel()
         with torch.no_grad():
             accs.append(float((net(Xt).argmax(1) == yt).float().mean()))
+        bits.append(sent.copy())
         print(f"{name} (seed {seed}): epoch {epoch}: test accuracy {accs[-1]:.4f}", flush=True)
-    return accs
+    return accs, bits
 
 
 def reading(results, names) -> list[str]:
@@ -91,6 +108,115 @@ def reading(results, names) -> list[str]:
             "they reach what a linear model reaches."]
 
 
+def topk_ef(density):
+    return lambda r: C.TopKBlocks(density, True, block_size=BLOCK)
+
+
+def dgc(density, momentum, workers):
+    return lambda r: C.DGC(density, momentum=momentum, world=workers, seed=r, block_size=BLOCK)
+
+
+def to_target(per_seed, counting):
+    """(epochs until the test accuracy first reaches TARGET or None, bits sent by then) per seed;
+    counting: 0 for ZeroSum packets, 1 for values and block indices (step_bits)."""
+    out = []
+    for accs, bits in per_seed:
+        hit = next((e for e, acc in enumerate(accs) if acc >= TARGET), None)
+        out.append((None, None) if hit is None else (hit + 1, bits[hit][counting]))
+    return out
+
+
+def density_table(trained, swept, names, args, d, steps_per_epoch):
+    """Bits per worker to TARGET: top-k + EF and DGC at the density set before training and at the best
+    density in hindsight, against dense SGD with the same optimiser sent as plain floats."""
+    dense, _, dense_m, _, _, _ = names
+    densities = sorted({density for _, density in swept})
+    values = sum(p.numel() for p in model(d).parameters())
+    blocks = -(-values // BLOCK)
+    dense_bits = lambda name: [(s, s and s * steps_per_epoch * 32 * values) for s, _ in to_target(trained[name], 0)]
+    if any(s is None for name in (dense, dense_m) for s, _ in dense_bits(name)):
+        return ["", f"Dense SGD does not reach {TARGET} in every seed within {args.epochs} epochs: no bits to it."]
+    plain = {name: np.mean([b for _, b in dense_bits(name)]) for name in (dense, dense_m)}
+    countings = ((0, f"ZeroSum packets ({BLOCK}-value blocks, as run)"),
+                 (1, f"values and block indices ({BLOCK} float32 + {(blocks - 1).bit_length()} bits a block)"))
+
+    def cell(runs, baseline, level=None):
+        if any(s is None for s, _ in runs):
+            return "—"
+        text = f"{ratio_text([b / baseline for _, b in runs])} [{np.mean([s for s, _ in runs]):.1f}]"
+        return text if level is None else f"{level:g}: {text}"
+
+    lines = ["", f"Bits per worker to a test accuracy of {TARGET} (set before the sweep: dense SGD reaches it by "
+             f"epoch 2 in every seed), as a multiple of the bits of dense SGD with the same optimiser sent as "
+             f"plain float32 values without indices ({plain[dense] / 1e6:.1f} Mbit without momentum, "
+             f"{plain[dense_m] / 1e6:.1f} Mbit with it; means over the seeds); the accuracy is measured after each "
+             f"epoch, so epochs to the target (mean, in brackets) are whole; seeds {', '.join(map(str, args.seeds.split(',')))}: "
+             f"mean (min–max); '—': not reached in every seed within {args.epochs} epochs. 'before training': "
+             f"density {args.density:g}, the DGC paper's 99.9 % sparsity; 'best density in hindsight': the density of "
+             f"the sweep {', '.join(f'{v:g}' for v in densities)} with the fewest bits to the target on average, "
+             f"counted as in the row, named in the cell; on ties (densities that keep the same blocks run the same) the "
+             f"smallest. Both keep whole {BLOCK}-value blocks and at least one of the model's {blocks}: top-k "
+             f"round(density·{blocks}), so every density below {1.5 / blocks:.4f} is one block, DGC "
+             f"ceil(density·{blocks}), its density being max(w, the final density) with w = 0.25, 0.0625, 0.0156, "
+             "0.004, 0.001 in epochs 1–5 (its warm-up), the final density after).", "",
+             "| method | bits counted | to the target, × dense plain floats |", "|---|---|--:|"]
+    for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)):
+        lines += [f"| {base} | plain float32, no indices | {cell(dense_bits(base), plain[base])} |",
+                  f"| {base} | {countings[0][1]} | {cell(to_target(trained[base], 0), plain[base])} |"]
+        for counting, how in countings:
+            level, best = cheapest_level({v: to_target(swept[method, v], counting) for v in densities})
+            lines += [f"| {method}, density {args.density:g} (before training) | {how} | "
+                      f"{cell(to_target(swept[method, args.density], counting), plain[base])} |",
+                      f"| {method}, best density in hindsight | {how} | "
+                      f"{'—' if best is None else cell(best, plain[base], level)} |"]
+    readings = [f"- {method}, {how}: {against_best_density(swept, method, args.density, densities, counting, plain[base], base)}."
+                for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)) for counting, how in countings]
+    return lines + ["", "Top-k + EF runs with plain SGD and is against dense SGD; DGC (momentum inside) against dense "
+                    "momentum SGD. The sweep:", "", density_sweep_table(swept, densities, args, plain, names), "",
+                    "Against the best density in hindsight (ratios of the mean bits over the seeds):", ""] + readings
+
+
+def against_best_density(swept, method, stated, densities, counting, plain, base):
+    """The density set before training against the best density in hindsight and against dense SGD's
+    plain floats (`plain` bits), counted one way."""
+    level, best = cheapest_level({v: to_target(swept[method, v], counting) for v in densities})
+    mine = to_target(swept[method, stated], counting)
+    best_text = ("no density of the sweep reaches the target in every seed" if best is None else
+                 f"the best density in hindsight, {level:g}, needs {ratio_text([np.mean([b for _, b in best]) / plain])} "
+                 f"the bits of {base} sent as plain floats")
+    if any(s is None for s, _ in mine):
+        reached = sum(s is not None for s, _ in mine)
+        return f"density {stated:g} reaches the target in {reached} of {len(mine)} seeds; {best_text}"
+    return (f"density {stated:g} needs {np.mean([b for _, b in mine]) / np.mean([b for _, b in best]):.2f}× the bits "
+            f"of the best density in hindsight ({level:g}) and {ratio_text([np.mean([b for _, b in mine]) / plain])} "
+            f"those of {base} sent as plain floats")
+
+
+def density_sweep_table(swept, densities, args, plain, names):
+    """Each density of the sweep: accuracy after the first and last epoch, and bits to TARGET."""
+    dense, _, dense_m, _, _, _ = names
+    rows = [f"| method | density | epoch 1 | epoch {args.epochs} | ZeroSum packets to {TARGET}, × dense plain | "
+            "values and block indices, × dense plain |", "|---|--:|--:|--:|--:|--:|"]
+    for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)):
+        for v in densities:
+            accs = np.array([a for a, _ in swept[method, v]])
+            cells = []
+            for counting in (0, 1):
+                runs = to_target(swept[method, v], counting)
+                cells.append("—" if any(s is None for s, _ in runs) else
+                             f"{ratio_text([b / plain[base] for _, b in runs])} [{np.mean([s for s, _ in runs]):.1f}]")
+            rows.append(f"| {method} | {v:g} | {accs[:, 0].mean():.4f} | {accs[:, -1].mean():.4f} | "
+                        f"{cells[0]} | {cells[1]} |")
+    return "\n".join(rows)
+
+
+def ratio_text(values):
+    """A ratio over the seeds: mean (min–max), two decimals, or two significant digits below 0.1."""
+    fmt = lambda v: f"{v:.2f}" if v >= 0.095 else f"{v:#.2g}"
+    low, mean, high = fmt(min(values)), fmt(np.mean(values)), fmt(max(values))
+    return f"{mean}×" if low == high else f"{mean}× ({low}–{high})"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
@@ -101,6 +227,8 @@ def main():
     p.add_argument("--density", type=float, default=0.001)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--sweep", default="0.0003,0.001,0.003,0.01,0.03,0.1",
+                   help="densities of top-k + EF and DGC for the best fixed density in hindsight")
     p.add_argument("--out", default="docs")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -111,19 +239,27 @@ def main():
     X, Xt = to(X), to(Xt)
     y, yt = torch.from_numpy((y > 0).astype(np.int64)), torch.from_numpy((yt > 0).astype(np.int64))
     m = args.momentum
-    topk = lambda r: C.TopKBlocks(args.density, True)
+    topk = topk_ef(args.density)
     runs = {     # name: (compressor per rank, momentum outside the compressor, linear model)
         "dense SGD": (lambda r: C.NoCompression(), 0.0, False),
         f"top-k blocks + EF ({args.density:g})": (topk, 0.0, False),
         f"dense SGD, momentum {m:g}": (lambda r: C.NoCompression(), m, False),
         f"top-k blocks + EF ({args.density:g}), momentum {m:g}": (topk, m, False),
         f"DGC ({args.density:g}, warm-up, momentum {m:g} inside)":
-            (lambda r: C.DGC(args.density, momentum=m, world=args.workers, seed=r), 0.0, False),
+            (dgc(args.density, m, args.workers), 0.0, False),
         f"linear model (logistic regression), dense, momentum {m:g}": (lambda r: C.NoCompression(), m, True),
     }
     seeds = [int(v) for v in args.seeds.split(",")]
-    results = {name: [train(name, make, X, y, Xt, yt, args, seed, mom, linear) for seed in seeds]
+    trained = {name: [train(name, make, X, y, Xt, yt, args, seed, mom, linear) for seed in seeds]
                for name, (make, mom, linear) in runs.items()}
+    results = {name: [accs for accs, _ in per_seed] for name, per_seed in trained.items()}
+    names = list(runs)
+    stated = {"top-k blocks + EF": trained[names[1]], "DGC": trained[names[4]]}
+    swept = {}                                  # (method, density): [(accuracies, bits)] per seed
+    for density in sorted({float(v) for v in args.sweep.split(",")} | {args.density}):
+        for method, make in (("top-k blocks + EF", topk_ef(density)), ("DGC", dgc(density, m, args.workers))):
+            swept[method, density] = stated[method] if density == args.density else \
+                [train(f"{method} ({density:g})", make, X, y, Xt, yt, args, seed) for seed in seeds]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -153,6 +289,8 @@ def main():
         cells = [f"{acc[:, e].mean():.4f} ({acc[:, e].min():.4f}–{acc[:, e].max():.4f})" for e in shown]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {acc.max(axis=1).mean():.4f} |")
     lines += [""] + reading(results, list(runs))
+    steps_per_epoch = len(np.array_split(np.arange(len(y)), args.workers)[0]) // args.batch
+    lines += density_table(trained, swept, names, args, X.shape[1], steps_per_epoch)
     update_sections(Path(args.out) / "compression.md", lines)
     print("\n".join(lines))
 

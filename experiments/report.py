@@ -65,3 +65,14 @@ def spread(values, digits: int, suffix: str = "") -> str:
     low, high = f"{v[0]:.{digits}f}", f"{v[-1]:.{digits}f}"
     med = f"{float(statistics.median(v)):.{digits}f}{suffix}"
     return med if low == high else f"{med} ({low}-{high})"
+
+
+def cheapest_level(candidates: dict):
+    """The best fixed level in hindsight: candidates[level] = [(steps to the target or None, bits to it)
+    per seed]; the level whose runs all reach the target with the fewest bits on average (the first
+    listed on ties), and its runs; (None, None) if no level reaches it in every run."""
+    reached = {level: runs for level, runs in candidates.items() if all(s is not None for s, _ in runs)}
+    if not reached:
+        return None, None
+    best = min(reached, key=lambda level: statistics.fmean(b for _, b in reached[level]))
+    return best, reached[best]

@@ -658,3 +658,86 @@ def test_tracked_topk_from_a_starting_density_begins_there_and_searches_around_i
     played = _play_tracked(C.TrackedTopKBlocks(block_size=4, ratio=2, segment_steps=2, warmup=0.5,
                                                start_density=0.1), 400, lambda k: 0.01)
     assert played[0] == 6 and max(played) <= 8 and played[-1] == 1
+
+
+# The fixed-level sweep of experiments/compression.py (E1, E3: the best level in hindsight)
+
+def _tiny_problem(workers=2):
+    from compression import Problem
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 8))          # equal shards: the mean of the workers' gradients is f's
+    y = np.sign(X @ rng.standard_normal(8) + 0.5 * rng.standard_normal(64))
+    return Problem(X, y, workers, lam=0.1)
+
+
+def test_the_sweep_covers_powers_of_two_and_every_block():
+    from compression import levels_up_to
+    assert levels_up_to(16) == [1, 2, 4, 8, 16]
+    assert levels_up_to(113) == [1, 2, 4, 8, 16, 32, 64, 113]
+    assert levels_up_to(1) == [1]
+
+
+def test_random_k_with_every_block_is_dense_gd():
+    """The sweep's last level (τ = m) is dense GD through the same compressor and step rule (ω = 0)."""
+    from compression import random_k_step, run
+    prob = _tiny_problem()
+    L = 0.25 * np.linalg.eigvalsh(prob.X.T @ prob.X / len(prob.y)).max() + prob.lam
+    assert random_k_step(L, 2, 4)(4) == 1 / L
+    dense = run(prob, [C.NoCompression() for _ in range(2)], 30, 1 / L, 2)
+    every = run(prob, [C.DIANA(C.RandomKBlocks(2, tau=4, seed=1, rank=r, block_size=2), omega=0)
+                       for r in range(2)], 30, 1 / L, 2)
+    assert np.array_equal(dense[1], every[1])                  # the same bits
+    assert np.allclose(dense[0], every[0], rtol=1e-5, atol=1e-10)   # the same gaps, up to float32 rounding
+
+
+def test_the_best_level_in_hindsight_is_the_level_with_the_fewest_bits_to_each_target():
+    from compression import (TARGETS, bits_to_target, dense_rows, first_below, levels_up_to,
+                             priced_as_run, random_k_step, run, stated_and_best, sweep, values_only)
+    prob, n, block, m = _tiny_problem(workers=8), 8, 2, 4   # many workers: sparse levels pay
+    L = 0.25 * np.linalg.eigvalsh(prob.X.T @ prob.X / len(prob.y)).max() + prob.lam
+    methods = {"DIANA": (lambda t, seed: [C.DIANA(C.RandomKBlocks(n, tau=t, seed=seed, rank=r, block_size=block),
+                                                     omega=m / t - 1) for r in range(n)], random_k_step(L, n, m), True)}
+    seeds, steps, levels = (1, 2), 400, levels_up_to(m)
+    trajectories = sweep(prob, methods, levels, seeds, steps, block, min(TARGETS), m, full_at=2)
+    trajectories["dense GD", 1] = run(prob, [C.NoCompression() for _ in range(n)], steps, 1 / L, block)
+    chosen = []
+    for how, price in (("as run", priced_as_run), ("values only", values_only(block))):
+        rows = dense_rows(8, 1) + stated_and_best("DIANA", how, how, 2, levels, price, seeds)
+        table = bits_to_target(trajectories, rows, ("dense GD", 1), 8, steps, "seeds 1, 2")
+        best_row = next(line for line in table if line.startswith("| DIANA, best τ in hindsight"))
+        for eps, cell in zip(TARGETS, best_row.strip(" |").split(" | ")[2:]):
+            mean_bits = {}                              # brute force, over the levels every seed reaches ε at
+            for t in levels:
+                runs = [trajectories[("DIANA", t), s] for s in seeds]
+                reached = [first_below(gaps, eps) for gaps, _ in runs]
+                if None not in reached:
+                    mean_bits[t] = np.mean([price(t)(bits, r) for (_, bits), r in zip(runs, reached)])
+            chosen.append(min(mean_bits, key=mean_bits.get))
+            assert cell.startswith(f"τ = {chosen[-1]}: ")
+    assert len(set(chosen)) > 1          # the problem separates the levels: the pick is no constant
+
+
+def test_e2_steps_and_bits_are_what_iterations_to_returns():
+    from compression import iterations_to, run, steps_and_bits
+    prob = _tiny_problem(workers=2)
+    L = 0.25 * np.linalg.eigvalsh(prob.X.T @ prob.X / len(prob.y)).max() + prob.lam
+    make = lambda: [C.DIANA(C.RandomKBlocks(2, tau=2, seed=3, rank=r, block_size=2), omega=1) for r in range(2)]
+    _, fstar = prob.optimum()
+    for eps, cap in ((1e-4, 400), (1e-12, 20)):                       # reached; not within the cap
+        expected = iterations_to(prob, make(), 1 / (2 * L), eps, cap, fstar, 2)
+        assert steps_and_bits(run(prob, make(), cap, 1 / (2 * L), 2, eps), eps) == expected
+
+
+def test_e5_counts_zerosum_bytes_and_block_values_with_indices_and_epochs_to_the_target():
+    from dgc import BLOCK, TARGET, step_bits, to_target
+    own = np.zeros(10 * BLOCK + 3, np.float32)
+    own[[5, 3 * BLOCK, 3 * BLOCK + 1, 10 * BLOCK + 2]] = 1.0                # 3 of 11 blocks non-zero
+    other = np.zeros_like(own)
+    other[7 * BLOCK] = 1.0                                                 # a round only the other opens
+    zerosum, values = step_bits([own, other])
+    assert zerosum == 8 * C.wire_bytes(own, BLOCK, rounds=C.rounds_of([own, other], BLOCK))
+    assert values == 3 * (32 * BLOCK + 4)                                  # 11 blocks: 4-bit indices
+    runs = [([TARGET - 0.1, TARGET, TARGET + 0.1], [(1, 10), (2, 20), (3, 30)]),
+            ([TARGET - 0.1] * 3, [(1, 10), (2, 20), (3, 30)])]
+    assert to_target(runs, 0) == [(2, 2), (None, None)]
+    assert to_target(runs, 1) == [(2, 20), (None, None)]

@@ -70,3 +70,13 @@ def test_a_model_trained_again_with_other_seeds_adds_them(tmp_path):
                     {"runs": [[_row("gloo", 1, 1, 1, 1)]] * 2}):
         again = {**new, **changed}
         assert with_earlier_models({**settings, "models": {"mlp": again}}, earlier)["models"]["mlp"] == again
+
+
+def test_the_best_level_in_hindsight_has_the_fewest_mean_bits_among_levels_that_always_reach():
+    from report import cheapest_level
+    candidates = {1: [(90, 50), (None, 0)],          # cheapest seed, but one seed never reaches the target
+                  2: [(40, 120), (44, 100)],         # mean 110
+                  4: [(20, 100), (22, 110)],         # mean 105: the best
+                  8: [(10, 105), (11, 105)]}         # mean 105 too: a tie goes to the level listed first
+    assert cheapest_level(candidates) == (4, [(20, 100), (22, 110)])
+    assert cheapest_level({1: [(None, 5)], 2: [(3, 1), (None, 1)]}) == (None, None)
