@@ -45,15 +45,16 @@ def step_bits(contributions, block_size=BLOCK):
     return np.array([zerosum, sent_blocks * (32 * block_size + (nblocks - 1).bit_length())])
 
 
-def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
+def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False, local=False):
     """Test accuracy after each epoch, and the bits worker 0 sent by then (ZeroSum packets, values and
-    block indices: step_bits); `momentum` is heavy ball on the aggregate estimate (0: plain SGD)."""
-    net = model(X.shape[1], seed, linear)
-    params = list(net.parameters())
+    block indices: step_bits); `momentum` is heavy ball on the aggregate estimate (0: plain SGD). With
+    local=True there is no exchange: each worker trains its own copy of the model on its own shard alone,
+    sends nothing, and the accuracy is the mean over the workers' models."""
+    nets = [model(X.shape[1], seed, linear) for _ in range(args.workers if local else 1)]
     comps = [make(r) for r in range(args.workers)]
     shards = np.array_split(np.random.default_rng(2 * seed).permutation(len(y)), args.workers)
     rng = np.random.default_rng(2 * seed + 1)
-    velocity = [torch.zeros_like(p) for p in params]
+    velocities = [[torch.zeros_like(p) for p in net.parameters()] for net in nets]
     accs, bits, sent = [], [], np.zeros(2)
     for epoch in range(args.epochs):
         for c in comps:
@@ -64,24 +65,36 @@ def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
             contributions = []
             for r in range(args.workers):
                 idx = rng.choice(shards[r], args.batch, replace=False)
-                net.zero_grad()
-                loss = torch.nn.functional.cross_entropy(net(X[idx]), y[idx])
-                loss.backward()
-                g = torch.cat([p.grad.reshape(-1) for p in params]).numpy()
-                contributions.append(comps[r].compress(g, 0))
-            sent += step_bits(contributions)
-            est = comps[0].decompress(np.sum(contributions, axis=0), args.workers, 0)
-            with torch.no_grad():
-                off = 0
-                for p, u in zip(params, velocity):
-                    u.mul_(momentum).add_(torch.from_numpy(est[off: off + p.numel()].reshape(p.shape)))
-                    p -= args.lr * u
-                    off += p.numel()
+                contributions.append(comps[r].compress(gradient(nets[r % len(nets)], X[idx], y[idx]), 0))
+            if local:
+                for r, net in enumerate(nets):
+                    descend(net, velocities[r], comps[r].decompress(contributions[r], 1, 0), args.lr, momentum)
+            else:
+                sent += step_bits(contributions)
+                est = comps[0].decompress(np.sum(contributions, axis=0), args.workers, 0)
+                descend(nets[0], velocities[0], est, args.lr, momentum)
         with torch.no_grad():
-            accs.append(float((net(Xt).argmax(1) == yt).float().mean()))
+            accs.append(float(np.mean([float((net(Xt).argmax(1) == yt).float().mean()) for net in nets])))
         bits.append(sent.copy())
         print(f"{name} (seed {seed}): epoch {epoch}: test accuracy {accs[-1]:.4f}", flush=True)
     return accs, bits
+
+
+def gradient(net, X, y):
+    """The minibatch loss's gradient as one flat float32 vector."""
+    net.zero_grad()
+    torch.nn.functional.cross_entropy(net(X), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()]).numpy()
+
+
+def descend(net, velocity, est, lr, momentum):
+    """One heavy-ball step on the flat estimate `est`: u ← momentum·u + est, x ← x − lr·u."""
+    with torch.no_grad():
+        off = 0
+        for p, u in zip(net.parameters(), velocity):
+            u.mul_(momentum).add_(torch.from_numpy(est[off: off + p.numel()].reshape(p.shape)))
+            p -= lr * u
+            off += p.numel()
 
 
 def reading(results, names) -> list[str]:
