@@ -102,7 +102,7 @@ def descend(net, velocity, est, lr, momentum):
 
 def reading(results, names) -> list[str]:
     """Each compressed row against the dense row with the same optimiser, after the first and the last
-    epoch (means over the seeds), and the MLP against the linear model."""
+    epoch (means over the seeds), the MLP against the linear model, and the workers training alone."""
     dense, topk, dense_m, topk_m, dgc, linear, local, local_m = names
     acc = {name: np.array(v) for name, v in results.items()}
     at = lambda name, e: acc[name][:, e].mean()
