@@ -7,11 +7,15 @@ contributions summed as the aggregator does). Appends a table and writes docs/co
 Equal optimisers: DGC's momentum correction is momentum SGD (Lin et al., eq. (7)), so dense SGD and top-k
 run with the same momentum (heavy ball on the aggregate, u ← m·u + ĝ, x ← x − η·u), beside the runs
 without momentum. Every run over 3 seeds (model initialisation, shards, minibatches); a linear model
-(logistic regression, dense, momentum) shows what the data allows without hidden layers.
+(logistic regression, dense, momentum) shows what the data allows without hidden layers, and the workers
+training alone on their shards (no exchange, plain and momentum SGD) what communication adds. The bits
+tables' target is the highest accuracy that dense SGD reaches in every seed, rounded down to 3 decimals,
+and none where a worker training alone reaches it.
 """
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +27,6 @@ from report import cheapest_level, update_sections
 from zerosum import compression as C
 
 BLOCK = 256                                     # the compressors' block size (their default), ZeroSum's too
-TARGET = 0.845      # test accuracy, set before the sweep: dense SGD reaches it by epoch 2 in every seed
 
 
 def model(d, seed=0, linear=False):
@@ -45,15 +48,16 @@ def step_bits(contributions, block_size=BLOCK):
     return np.array([zerosum, sent_blocks * (32 * block_size + (nblocks - 1).bit_length())])
 
 
-def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
+def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False, local=False):
     """Test accuracy after each epoch, and the bits worker 0 sent by then (ZeroSum packets, values and
-    block indices: step_bits); `momentum` is heavy ball on the aggregate estimate (0: plain SGD)."""
-    net = model(X.shape[1], seed, linear)
-    params = list(net.parameters())
+    block indices: step_bits); `momentum` is heavy ball on the aggregate estimate (0: plain SGD). With
+    local=True there is no exchange: each worker trains its own copy of the model on its own shard alone,
+    sends nothing, and the accuracy is the mean over the workers' models."""
+    nets = [model(X.shape[1], seed, linear) for _ in range(args.workers if local else 1)]
     comps = [make(r) for r in range(args.workers)]
     shards = np.array_split(np.random.default_rng(2 * seed).permutation(len(y)), args.workers)
     rng = np.random.default_rng(2 * seed + 1)
-    velocity = [torch.zeros_like(p) for p in params]
+    velocities = [[torch.zeros_like(p) for p in net.parameters()] for net in nets]
     accs, bits, sent = [], [], np.zeros(2)
     for epoch in range(args.epochs):
         for c in comps:
@@ -64,30 +68,42 @@ def train(name, make, X, y, Xt, yt, args, seed=0, momentum=0.0, linear=False):
             contributions = []
             for r in range(args.workers):
                 idx = rng.choice(shards[r], args.batch, replace=False)
-                net.zero_grad()
-                loss = torch.nn.functional.cross_entropy(net(X[idx]), y[idx])
-                loss.backward()
-                g = torch.cat([p.grad.reshape(-1) for p in params]).numpy()
-                contributions.append(comps[r].compress(g, 0))
-            sent += step_bits(contributions)
-            est = comps[0].decompress(np.sum(contributions, axis=0), args.workers, 0)
-            with torch.no_grad():
-                off = 0
-                for p, u in zip(params, velocity):
-                    u.mul_(momentum).add_(torch.from_numpy(est[off: off + p.numel()].reshape(p.shape)))
-                    p -= args.lr * u
-                    off += p.numel()
+                contributions.append(comps[r].compress(gradient(nets[r % len(nets)], X[idx], y[idx]), 0))
+            if local:
+                for r, net in enumerate(nets):
+                    descend(net, velocities[r], comps[r].decompress(contributions[r], 1, 0), args.lr, momentum)
+            else:
+                sent += step_bits(contributions)
+                est = comps[0].decompress(np.sum(contributions, axis=0), args.workers, 0)
+                descend(nets[0], velocities[0], est, args.lr, momentum)
         with torch.no_grad():
-            accs.append(float((net(Xt).argmax(1) == yt).float().mean()))
+            accs.append(float(np.mean([float((net(Xt).argmax(1) == yt).float().mean()) for net in nets])))
         bits.append(sent.copy())
         print(f"{name} (seed {seed}): epoch {epoch}: test accuracy {accs[-1]:.4f}", flush=True)
     return accs, bits
 
 
+def gradient(net, X, y):
+    """The minibatch loss's gradient as one flat float32 vector."""
+    net.zero_grad()
+    torch.nn.functional.cross_entropy(net(X), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()]).numpy()
+
+
+def descend(net, velocity, est, lr, momentum):
+    """One heavy-ball step on the flat estimate `est`: u ← momentum·u + est, x ← x − lr·u."""
+    with torch.no_grad():
+        off = 0
+        for p, u in zip(net.parameters(), velocity):
+            u.mul_(momentum).add_(torch.from_numpy(est[off: off + p.numel()].reshape(p.shape)))
+            p -= lr * u
+            off += p.numel()
+
+
 def reading(results, names) -> list[str]:
     """Each compressed row against the dense row with the same optimiser, after the first and the last
-    epoch (means over the seeds), and the MLP against the linear model."""
-    dense, topk, dense_m, topk_m, dgc, linear = names
+    epoch (means over the seeds), the MLP against the linear model, and the workers training alone."""
+    dense, topk, dense_m, topk_m, dgc, linear, local, local_m = names
     acc = {name: np.array(v) for name, v in results.items()}
     at = lambda name, e: acc[name][:, e].mean()
     lo = lambda name, e: acc[name][:, e].min()
@@ -105,7 +121,25 @@ def reading(results, names) -> list[str]:
             f"- The linear model reaches {at(linear, 0):.4f} after one epoch and {acc[linear].max(axis=1).mean():.4f} "
             f"at its best epoch, the MLP with dense SGD {acc[dense].max(axis=1).mean():.4f}: on a9a the hidden "
             "layers add almost nothing, so this task separates the methods only by how fast and how stably "
-            "they reach what a linear model reaches."]
+            "they reach what a linear model reaches.",
+            f"- Without exchange (each worker alone on its own shard; the mean over the workers' models) the "
+            f"model reaches {at(local, last):.4f} after epoch {last + 1} without momentum (at most {acc[local].max():.4f} "
+            f"after any epoch in any seed) and {at(local_m, last):.4f} with it (at most {acc[local_m].max():.4f}), "
+            f"against {at(dense, last):.4f} and {at(dense_m, last):.4f} with exchange."]
+
+
+def target_accuracy(results, dense_names, local_names):
+    """The target of the bits tables, set from the dense and local rows before the compressed rows are
+    read: the highest test accuracy that every dense row reaches in every seed within the epochs, rounded
+    down to 3 decimals; None where a local row (no exchange) reaches it in some seed, as then no target
+    tests communication."""
+    target = math.floor(1000 * min(max(accs) for name in dense_names for accs in results[name])) / 1000
+    return None if best_accuracy(results, local_names) >= target else target
+
+
+def best_accuracy(results, names):
+    """The highest test accuracy any of these rows reaches after any epoch in any seed."""
+    return max(max(accs) for name in names for accs in results[name])
 
 
 def topk_ef(density):
@@ -116,26 +150,31 @@ def dgc(density, momentum, workers):
     return lambda r: C.DGC(density, momentum=momentum, world=workers, seed=r, block_size=BLOCK)
 
 
-def to_target(per_seed, counting):
-    """(epochs until the test accuracy first reaches TARGET or None, bits sent by then) per seed;
+def to_target(per_seed, counting, target):
+    """(epochs until the test accuracy first reaches `target` or None, bits sent by then) per seed;
     counting: 0 for ZeroSum packets, 1 for values and block indices (step_bits)."""
     out = []
     for accs, bits in per_seed:
-        hit = next((e for e, acc in enumerate(accs) if acc >= TARGET), None)
+        hit = next((e for e, acc in enumerate(accs) if acc >= target), None)
         out.append((None, None) if hit is None else (hit + 1, bits[hit][counting]))
     return out
 
 
-def density_table(trained, swept, names, args, d, steps_per_epoch):
-    """Bits per worker to TARGET: top-k + EF and DGC at the density set before training and at the best
+def density_table(trained, swept, names, args, d, steps_per_epoch, target):
+    """Bits per worker to `target`: top-k + EF and DGC at the density set before training and at the best
     density in hindsight, against dense SGD with the same optimiser sent as plain floats."""
-    dense, _, dense_m, _, _, _ = names
+    dense, _, dense_m, *_, local, local_m = names
+    results = {name: [accs for accs, _ in per_seed] for name, per_seed in trained.items()}
+    alone = f"the workers training alone reach at most {best_accuracy(results, (local, local_m)):.4f} in any seed"
+    if target is None:
+        return ["", f"No bits to a target: {alone}, at least what dense SGD with and without momentum reaches in "
+                f"every seed within {args.epochs} epochs, so no target tests communication."]
     densities = sorted({density for _, density in swept})
     values = sum(p.numel() for p in model(d).parameters())
     blocks = -(-values // BLOCK)
-    dense_bits = lambda name: [(s, s and s * steps_per_epoch * 32 * values) for s, _ in to_target(trained[name], 0)]
+    dense_bits = lambda name: [(s, s and s * steps_per_epoch * 32 * values) for s, _ in to_target(trained[name], 0, target)]
     if any(s is None for name in (dense, dense_m) for s, _ in dense_bits(name)):
-        return ["", f"Dense SGD does not reach {TARGET} in every seed within {args.epochs} epochs: no bits to it."]
+        return ["", f"Dense SGD does not reach {target:.3f} in every seed within {args.epochs} epochs: no bits to it."]
     plain = {name: np.mean([b for _, b in dense_bits(name)]) for name in (dense, dense_m)}
     countings = ((0, f"ZeroSum packets ({BLOCK}-value blocks, as run)"),
                  (1, f"values and block indices ({BLOCK} float32 + {(blocks - 1).bit_length()} bits a block)"))
@@ -146,8 +185,9 @@ def density_table(trained, swept, names, args, d, steps_per_epoch):
         text = f"{ratio_text([b / baseline for _, b in runs])} [{np.mean([s for s, _ in runs]):.1f}]"
         return text if level is None else f"{level:g}: {text}"
 
-    lines = ["", f"Bits per worker to a test accuracy of {TARGET} (set before the sweep: dense SGD reaches it by "
-             f"epoch 2 in every seed), as a multiple of the bits of dense SGD with the same optimiser sent as "
+    lines = ["", f"Bits per worker to a test accuracy of {target:.3f} (the highest accuracy that dense SGD with and "
+             f"without momentum reaches in every seed within {args.epochs} epochs, rounded down to 3 decimals, a rule "
+             f"set before the compressed rows were read; {alone}), as a multiple of the bits of dense SGD with the same optimiser sent as "
              f"plain float32 values without indices ({plain[dense] / 1e6:.1f} Mbit without momentum, "
              f"{plain[dense_m] / 1e6:.1f} Mbit with it; means over the seeds); the accuracy is measured after each "
              f"epoch, so epochs to the target (mean, in brackets) are whole; seeds {', '.join(map(str, args.seeds.split(',')))}: "
@@ -162,25 +202,25 @@ def density_table(trained, swept, names, args, d, steps_per_epoch):
              "| method | bits counted | to the target, × dense plain floats |", "|---|---|--:|"]
     for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)):
         lines += [f"| {base} | plain float32, no indices | {cell(dense_bits(base), plain[base])} |",
-                  f"| {base} | {countings[0][1]} | {cell(to_target(trained[base], 0), plain[base])} |"]
+                  f"| {base} | {countings[0][1]} | {cell(to_target(trained[base], 0, target), plain[base])} |"]
         for counting, how in countings:
-            level, best = cheapest_level({v: to_target(swept[method, v], counting) for v in densities})
+            level, best = cheapest_level({v: to_target(swept[method, v], counting, target) for v in densities})
             lines += [f"| {method}, density {args.density:g} (before training) | {how} | "
-                      f"{cell(to_target(swept[method, args.density], counting), plain[base])} |",
+                      f"{cell(to_target(swept[method, args.density], counting, target), plain[base])} |",
                       f"| {method}, best density in hindsight | {how} | "
                       f"{'—' if best is None else cell(best, plain[base], level)} |"]
-    readings = [f"- {method}, {how}: {against_best_density(swept, method, args.density, densities, counting, plain[base], base)}."
+    readings = [f"- {method}, {how}: {against_best_density(swept, method, args.density, densities, counting, target, plain[base], base)}."
                 for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)) for counting, how in countings]
     return lines + ["", "Top-k + EF runs with plain SGD and is against dense SGD; DGC (momentum inside) against dense "
-                    "momentum SGD. The sweep:", "", density_sweep_table(swept, densities, args, plain, names), "",
+                    "momentum SGD. The sweep:", "", density_sweep_table(swept, densities, args, plain, names, target), "",
                     "Against the best density in hindsight (ratios of the mean bits over the seeds):", ""] + readings
 
 
-def against_best_density(swept, method, stated, densities, counting, plain, base):
+def against_best_density(swept, method, stated, densities, counting, target, plain, base):
     """The density set before training against the best density in hindsight and against dense SGD's
     plain floats (`plain` bits), counted one way."""
-    level, best = cheapest_level({v: to_target(swept[method, v], counting) for v in densities})
-    mine = to_target(swept[method, stated], counting)
+    level, best = cheapest_level({v: to_target(swept[method, v], counting, target) for v in densities})
+    mine = to_target(swept[method, stated], counting, target)
     best_text = ("no density of the sweep reaches the target in every seed" if best is None else
                  f"the best density in hindsight, {level:g}, needs {ratio_text([np.mean([b for _, b in best]) / plain])} "
                  f"the bits of {base} sent as plain floats")
@@ -192,17 +232,17 @@ def against_best_density(swept, method, stated, densities, counting, plain, base
             f"those of {base} sent as plain floats")
 
 
-def density_sweep_table(swept, densities, args, plain, names):
-    """Each density of the sweep: accuracy after the first and last epoch, and bits to TARGET."""
-    dense, _, dense_m, _, _, _ = names
-    rows = [f"| method | density | epoch 1 | epoch {args.epochs} | ZeroSum packets to {TARGET}, × dense plain | "
+def density_sweep_table(swept, densities, args, plain, names, target):
+    """Each density of the sweep: accuracy after the first and last epoch, and bits to `target`."""
+    dense, _, dense_m, *_ = names
+    rows = [f"| method | density | epoch 1 | epoch {args.epochs} | ZeroSum packets to {target:.3f}, × dense plain | "
             "values and block indices, × dense plain |", "|---|--:|--:|--:|--:|--:|"]
     for method, base in (("top-k blocks + EF", dense), ("DGC", dense_m)):
         for v in densities:
             accs = np.array([a for a, _ in swept[method, v]])
             cells = []
             for counting in (0, 1):
-                runs = to_target(swept[method, v], counting)
+                runs = to_target(swept[method, v], counting, target)
                 cells.append("—" if any(s is None for s, _ in runs) else
                              f"{ratio_text([b / plain[base] for _, b in runs])} [{np.mean([s for s, _ in runs]):.1f}]")
             rows.append(f"| {method} | {v:g} | {accs[:, 0].mean():.4f} | {accs[:, -1].mean():.4f} | "
@@ -240,20 +280,24 @@ def main():
     y, yt = torch.from_numpy((y > 0).astype(np.int64)), torch.from_numpy((yt > 0).astype(np.int64))
     m = args.momentum
     topk = topk_ef(args.density)
-    runs = {     # name: (compressor per rank, momentum outside the compressor, linear model)
-        "dense SGD": (lambda r: C.NoCompression(), 0.0, False),
-        f"top-k blocks + EF ({args.density:g})": (topk, 0.0, False),
-        f"dense SGD, momentum {m:g}": (lambda r: C.NoCompression(), m, False),
-        f"top-k blocks + EF ({args.density:g}), momentum {m:g}": (topk, m, False),
+    dense = lambda r: C.NoCompression()
+    runs = {     # name: (compressor per rank, momentum outside the compressor, linear model, no exchange)
+        "dense SGD": (dense, 0.0, False, False),
+        f"top-k blocks + EF ({args.density:g})": (topk, 0.0, False, False),
+        f"dense SGD, momentum {m:g}": (dense, m, False, False),
+        f"top-k blocks + EF ({args.density:g}), momentum {m:g}": (topk, m, False, False),
         f"DGC ({args.density:g}, warm-up, momentum {m:g} inside)":
-            (dgc(args.density, m, args.workers), 0.0, False),
-        f"linear model (logistic regression), dense, momentum {m:g}": (lambda r: C.NoCompression(), m, True),
+            (dgc(args.density, m, args.workers), 0.0, False, False),
+        f"linear model (logistic regression), dense, momentum {m:g}": (dense, m, True, False),
+        "local (no exchange)": (dense, 0.0, False, True),
+        f"local (no exchange), momentum {m:g}": (dense, m, False, True),
     }
     seeds = [int(v) for v in args.seeds.split(",")]
-    trained = {name: [train(name, make, X, y, Xt, yt, args, seed, mom, linear) for seed in seeds]
-               for name, (make, mom, linear) in runs.items()}
+    trained = {name: [train(name, make, X, y, Xt, yt, args, seed, mom, linear, local) for seed in seeds]
+               for name, (make, mom, linear, local) in runs.items()}
     results = {name: [accs for accs, _ in per_seed] for name, per_seed in trained.items()}
     names = list(runs)
+    target = target_accuracy(results, (names[0], names[2]), names[6:])
     stated = {"top-k blocks + EF": trained[names[1]], "DGC": trained[names[4]]}
     swept = {}                                  # (method, density): [(accuracies, bits)] per seed
     for density in sorted({float(v) for v in args.sweep.split(",")} | {args.density}):
@@ -281,7 +325,11 @@ def main():
              "correction makes it momentum SGD, so dense SGD and top-k run with the same momentum too (heavy "
              "ball on the aggregate) beside the rows without momentum. DGC also clips locally, masks the "
              "momentum where sent, samples its threshold and warms its density up; no row isolates one of "
-             "these. The linear model shows what the data allows without hidden layers.", "",
+             "these. The linear model shows what the data allows without hidden layers. The local rows send "
+             "nothing: each worker trains its own copy of the model (the same initialisation) alone on its own "
+             "shard with the dense rows' optimiser (plain SGD, or momentum where named), batch and step size; "
+             "their accuracy is the mean of the workers' models' accuracies, what a user gets from one "
+             "worker's model on average.", "",
              "| method | " + " | ".join(f"epoch {e + 1}" for e in shown) + " | best epoch, mean |",
              "|---|" + "--:|" * (len(shown) + 1)]
     for name, per_seed in results.items():
@@ -290,7 +338,7 @@ def main():
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {acc.max(axis=1).mean():.4f} |")
     lines += [""] + reading(results, list(runs))
     steps_per_epoch = len(np.array_split(np.arange(len(y)), args.workers)[0]) // args.batch
-    lines += density_table(trained, swept, names, args, X.shape[1], steps_per_epoch)
+    lines += density_table(trained, swept, names, args, X.shape[1], steps_per_epoch, target)
     update_sections(Path(args.out) / "compression.md", lines)
     print("\n".join(lines))
 

@@ -729,7 +729,7 @@ def test_e2_steps_and_bits_are_what_iterations_to_returns():
 
 
 def test_e5_counts_zerosum_bytes_and_block_values_with_indices_and_epochs_to_the_target():
-    from dgc import BLOCK, TARGET, step_bits, to_target
+    from dgc import BLOCK, step_bits, to_target
     own = np.zeros(10 * BLOCK + 3, np.float32)
     own[[5, 3 * BLOCK, 3 * BLOCK + 1, 10 * BLOCK + 2]] = 1.0                # 3 of 11 blocks non-zero
     other = np.zeros_like(own)
@@ -737,7 +737,34 @@ def test_e5_counts_zerosum_bytes_and_block_values_with_indices_and_epochs_to_the
     zerosum, values = step_bits([own, other])
     assert zerosum == 8 * C.wire_bytes(own, BLOCK, rounds=C.rounds_of([own, other], BLOCK))
     assert values == 3 * (32 * BLOCK + 4)                                  # 11 blocks: 4-bit indices
-    runs = [([TARGET - 0.1, TARGET, TARGET + 0.1], [(1, 10), (2, 20), (3, 30)]),
-            ([TARGET - 0.1] * 3, [(1, 10), (2, 20), (3, 30)])]
-    assert to_target(runs, 0) == [(2, 2), (None, None)]
-    assert to_target(runs, 1) == [(2, 20), (None, None)]
+    target = 0.85
+    runs = [([target - 0.1, target, target + 0.1], [(1, 10), (2, 20), (3, 30)]),
+            ([target - 0.1] * 3, [(1, 10), (2, 20), (3, 30)])]
+    assert to_target(runs, 0, target) == [(2, 2), (None, None)]
+    assert to_target(runs, 1, target) == [(2, 20), (None, None)]
+
+
+def test_e5_target_is_what_dense_reaches_in_every_seed_unless_training_alone_reaches_it():
+    from dgc import target_accuracy
+    results = {"dense": [[0.84, 0.8519], [0.8526, 0.85]], "dense, momentum": [[0.8531, 0.853]],
+               "local": [[0.849, 0.8]], "local, momentum": [[0.7, 0.8]]}
+    assert target_accuracy(results, ("dense", "dense, momentum"), ("local", "local, momentum")) == 0.851
+    results["local, momentum"] = [[0.7, 0.8511]]
+    assert target_accuracy(results, ("dense", "dense, momentum"), ("local", "local, momentum")) is None
+
+
+def test_e5_one_worker_training_alone_is_dense_sgd_bit_for_bit():
+    from types import SimpleNamespace
+    from dgc import train
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    X, Xt = torch.randn(256, 6, generator=gen), torch.randn(512, 6, generator=gen)
+    y, yt = (X[:, 0] > 0).long(), (Xt[:, 0] > 0).long()
+    runs = {}
+    for workers in (1, 3):
+        args = SimpleNamespace(workers=workers, epochs=3, batch=16, lr=0.1)
+        for local in (False, True):
+            runs[workers, local] = train("e5", lambda r: C.NoCompression(), X, y, Xt, yt, args, 1, 0.9, local=local)
+    (dense_acc, dense_bits), (alone_acc, alone_bits) = runs[1, False], runs[1, True]
+    assert alone_acc == dense_acc and all(b.sum() > 0 for b in dense_bits) and not np.any(alone_bits)
+    assert runs[3, True][0] != runs[3, False][0]                           # with 3 workers exchange matters
