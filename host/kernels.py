@@ -973,8 +973,9 @@ def flush_ready(st, now):
     the window (R-L6) and as far as the pacer lets them go (R-C7); returns the number of datagrams built
     (st.cuts)."""
     S = st.round_block.shape[0]
-    detect_loss(st, now)
-    drain_step(st, now)
+    if st.i[I_CONGESTION]:
+        detect_loss(st, now)
+        drain_step(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
     n, columns, held, resume = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto,
