@@ -525,7 +525,8 @@ N_I = I_DRAINS + 1
 # F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
 # (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
 # F_RACK_FROM: loss detection judges only rounds sent since (R-C8);
-# I_COMPETITIVE: the last drain found a queue that did not drain (R-C8); I_DRAINS: drains so far
+# I_COMPETITIVE: drains that must find the queue empty before delay counts again (0: delay counts; R-C8);
+# I_DRAINS: drains so far
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
