@@ -25,6 +25,7 @@ from compression import load_libsvm
 from report import cheapest_level, update_sections
 
 from zerosum import compression as C
+from zerosum.compression.base import nonzero_blocks
 
 BLOCK = 256                                     # the compressors' block size (their default), ZeroSum's too
 
@@ -43,8 +44,7 @@ def step_bits(contributions, block_size=BLOCK):
     own = contributions[0]
     nblocks = -(-own.size // block_size)
     zerosum = 8 * C.wire_bytes(own, block_size, rounds=C.rounds_of(contributions, block_size))
-    sent_blocks = int(np.count_nonzero(np.abs(np.pad(own, (0, nblocks * block_size - own.size)))
-                                       .reshape(nblocks, block_size).max(axis=1)))
+    sent_blocks = int(nonzero_blocks(own, block_size).sum())
     return np.array([zerosum, sent_blocks * (32 * block_size + (nblocks - 1).bit_length())])
 
 
