@@ -292,7 +292,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     applied), or -DROP_* when malformed.
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
-    was sent once only): the congestion controller's samples (a bootstrap round also waits for ranks
+    was sent once only), and counts[8] that round's column: the congestion controller's samples (a bootstrap round also waits for ranks
     that start later, so it says nothing about the path; the least, because the others may have waited
     for another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
     bootstrap: the aggregator held what was resent (R-C4).
@@ -347,7 +347,10 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             if not math.isnan(sent_at[c]):
                 sample = np.int64((now - sent_at[c]) * 1e9)
                 counts[5] = sample if counts[5] < 0 else min(counts[5], sample)
-                counts[6] = max(counts[6], np.int64(sent_at[c] * 1e9))
+                sent = np.int64(sent_at[c] * 1e9)
+                if sent > counts[6]:
+                    counts[6] = sent
+                    counts[8] = c
         if has:
             words = b[at: at + B * 4].view(np.uint32)
             if collect:
@@ -380,16 +383,27 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
 
 
 @njit(**JIT)
-def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted, budget, first):
+def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted, budget, quantum,
+               first):
     """The ready columns, grouped by aggregator from aggregator `first` on (in `cols`), with their timers
     started. Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's
-    window, R-L6), and so do those past the first `budget` columns past their bootstrap (the pacer, R-C7).
-    Returns (columns taken, how many of them are past their bootstrap, whether the budget held any back,
-    the aggregator after the last one whose column was taken past its bootstrap: where to go on)."""
+    window, R-L6), and so do those past the first `budget` columns past their bootstrap (the pacer, R-C7);
+    a budget under `quantum` columns sends none of them unless it covers them all (the pacer releases a
+    full datagram's entries at once, R-C7). Returns (columns taken, how many of them are past their
+    bootstrap, the columns the budget must cover before the next send (0: none held back), the
+    aggregator after the last one whose column was taken past its bootstrap: where to go on)."""
     S = ready.shape[0]
+    if budget < quantum:
+        waiting = 0
+        for c in range(min(admitted, S)):
+            if ready[c] and round_block[c] != BOOT:
+                waiting += 1
+                if waiting > budget:
+                    budget = 0
+                    break
     k = 0
     paced = 0
-    held = False
+    held = 0
     resume = first
     for j in range(aggregators):
         a = (first + j) % aggregators
@@ -400,7 +414,7 @@ def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_bloc
                 if c >= admitted:
                     continue
                 if paced >= budget:
-                    held = True
+                    held += 1
                     continue
                 paced += 1
                 resume = (a + 1) % aggregators
@@ -409,7 +423,7 @@ def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_bloc
             deadline[c] = now + rto[c]
             sent_at[c] = now
             k += 1
-    return k, paced, held, resume
+    return k, paced, min(held, quantum), resume
 
 
 @njit(**JIT)
@@ -515,18 +529,18 @@ class WorkerState(NamedTuple):
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
  I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
- I_COMPETITIVE, I_DRAINS) = range(33)
-N_I = I_DRAINS + 1
+ I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN) = range(34)
+N_I = I_DELIVERED_COLUMN + 1
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
-# ready for want of credit; I_PACE_FROM: the aggregator whose columns the next flush takes first (R-C7).
+# ready for want of credit (the columns the bucket must hold before the next send); I_PACE_FROM: the aggregator whose columns the next flush takes first (R-C7).
 # F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
 # F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
 # (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
 # F_RACK_FROM: loss detection judges only rounds sent since (R-C8);
 # I_COMPETITIVE: drains that must find the queue empty before delay counts again (0: delay counts; R-C8);
-# I_DRAINS: drains so far
+# I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT (R-C4)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
@@ -565,6 +579,8 @@ def update_rto(st):
 INITIAL_WINDOW = 10     # entries (R-C1; TCP's initial window of ten segments, RFC 6928)
 DELAY_GAIN = 0.8        # R-C3: the cut per unit of relative excess delay (Swift, SIGCOMM'20, beta)
 MAX_DELAY_CUT = 0.5     # R-C3: at most half the window per round trip
+EPOCH_MIN = 0.01        # R-C3: a measurement epoch lasts at least this long: longer than the time a process
+#                         that shares its cores may wait for one (a rank that waits delays every rank's round)
 LOSS_CUT = 0.5          # R-C4: a loss behind a queue
 RANDOM_LOSS_CUT = 0.8   # R-C4: a loss with no queue to speak of (TCP Veno, JSAC 2003, section II.B: 4/5)
 ECN_CUT = 0.5           # R-C6: an epoch with an ECN mark (RFC 3168, section 6.1.2: as a loss, by half)
@@ -653,7 +669,7 @@ def on_rounds(st, acked, rtt, now, sent):
     if rtt >= 0.0:
         f[F_MIN_RTT] = min(f[F_MIN_RTT], rtt)
         f[F_EPOCH_MIN] = min(f[F_EPOCH_MIN], rtt)
-        if sent >= f[F_EPOCH_START]:
+        if sent >= f[F_EPOCH_START] and now >= f[F_EPOCH_START] + EPOCH_MIN:
             end_epoch(st, now)
     if (f[F_QUEUE] > f[F_TARGET] and not i[I_COMPETITIVE]) or st.i[I_MARKED]:
         return                      # above the target: no growth until an epoch says otherwise
@@ -690,7 +706,9 @@ def detect_loss(st, now):
     rb, ready, sent_at, deadline = st.round_block, st.ready, st.sent_at, st.deadline
     A = st.probe.shape[0]
     lost = False
-    for c in range(st.i[I_ADMITTED]):
+    # only columns up to the delivered round's: every rank had admitted those (R-L6: prefixes of one
+    # order), while a column past it may be one that a rank with a smaller window has not sent yet
+    for c in range(min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)):
         if since <= sent_at[c] < before and rb[c] != END and rb[c] != BOOT and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
             st.loss_confirmed[c % A] = True
@@ -827,19 +845,26 @@ def pacing_rate(st):
     of ssthresh, as slow start doubles it, 1.2 times after); inf when there is no pacer (no congestion
     window) or no round-trip sample yet."""
     f = st.f
-    if not st.i[I_PACING] or not st.i[I_HAS_SRTT] or f[F_SRTT] <= 0.0:
+    rtt = f[F_MIN_RTT] + max(0.0, f[F_QUEUE])
+    if not st.i[I_PACING] or not np.isfinite(rtt) or rtt <= 0.0:
         return np.inf
     gain = PACING_GAIN_SLOW_START if f[F_CWND] < 0.5 * f[F_SSTHRESH] else PACING_GAIN
-    return gain * f[F_CWND] / f[F_SRTT]
+    if gain * PACING_QUANTUM >= rtt:
+        return np.inf   # the bucket would hold the whole window: a burst of it is what the pacer allows
+    return gain * f[F_CWND] / rtt
+
+
+@njit(inline="always", **JIT)
+def entries_per_datagram(st):
+    """The entries that fill one datagram (max_datagram, max_entries): the pacer's unit of release (R-C7)."""
+    i = st.i
+    return max(1, min(i[I_MAX_ENTRIES], (min(i[I_MAX_DATAGRAM], P.MAX_DATAGRAM) - HDR) // i[I_ENTRY]))
 
 
 @njit(inline="always", **JIT)
 def pacing_burst(st, rate):
     """R-C7: the bucket's size in bytes: 1 ms at `rate`, and at least two full datagrams of entries."""
-    i = st.i
-    entry = i[I_ENTRY]
-    per_datagram = max(1, min(i[I_MAX_ENTRIES], (min(i[I_MAX_DATAGRAM], P.MAX_DATAGRAM) - HDR) // entry))
-    return max(rate * PACING_QUANTUM, np.float64(PACING_MIN_DATAGRAMS * per_datagram * entry))
+    return max(rate * PACING_QUANTUM, np.float64(PACING_MIN_DATAGRAMS * entries_per_datagram(st) * st.i[I_ENTRY]))
 
 
 @njit(inline="always", **JIT)
@@ -861,9 +886,10 @@ def pace_budget(st, now):
 
 @njit(inline="always", **JIT)
 def pace_sent(st, columns, held, resume):
-    """R-C7: `columns` past their bootstrap were sent (their entries leave the bucket); `held`: some stayed
-    ready for want of credit, so the pacer's timer is set, and the next flush begins with aggregator
-    `resume`'s columns (round robin: the first aggregators' columns do not always go first)."""
+    """R-C7: `columns` past their bootstrap were sent (their entries leave the bucket); `held` > 0: columns
+    stayed ready for want of credit, and the next send waits until the bucket holds `held` columns' entries
+    (the pacer's timer), then begins with aggregator `resume`'s columns (round robin: the first
+    aggregators' columns do not always go first)."""
     i = st.i
     if i[I_PACING]:
         st.f[F_PACE_CREDIT] = max(0.0, st.f[F_PACE_CREDIT] - columns * i[I_ENTRY])
@@ -873,14 +899,15 @@ def pace_sent(st, columns, held, resume):
 
 @njit(inline="always", **JIT)
 def pace_timer(st):
-    """R-C7: when the bucket holds the next column's entry, if the last flush held columns back; else inf."""
+    """R-C7: when the bucket holds the entries the last flush held back (at most a datagram's), if it held
+    any; else inf."""
     if not st.i[I_PACE_HELD]:
         return np.inf
     f = st.f
     rate = pacing_rate(st)
     if not np.isfinite(rate):
         return f[F_PACE_AT]     # (cannot happen once a round trip was measured)
-    return f[F_PACE_AT] + max(0.0, st.i[I_ENTRY] - f[F_PACE_CREDIT]) / rate
+    return f[F_PACE_AT] + max(0.0, st.i[I_PACE_HELD] * st.i[I_ENTRY] - f[F_PACE_CREDIT]) / rate
 
 
 @njit(inline="always", **JIT)
@@ -942,8 +969,9 @@ def receive_one(st, b, n, aggregator, now, ce):
         if rtt >= 0:
             measure(st, rtt)
         if st.i[I_CONGESTION] and st.counts[4]:
-            if st.counts[6] >= 0:
-                st.f[F_DELIVERED_SENT] = max(st.f[F_DELIVERED_SENT], st.counts[6] * 1e-9)
+            if st.counts[6] * 1e-9 > st.f[F_DELIVERED_SENT]:
+                st.f[F_DELIVERED_SENT] = st.counts[6] * 1e-9
+                st.i[I_DELIVERED_COLUMN] = st.counts[8]
             on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now, st.counts[6] * 1e-9)
         st.counts[4] = 0
         st.counts[5] = -1
@@ -981,7 +1009,7 @@ def flush_ready(st, now):
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
     n, columns, held, resume = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto,
                                           now, st.round_block, st.i[I_ADMITTED], pace_budget(st, now),
-                                          st.i[I_PACE_FROM])
+                                          entries_per_datagram(st), st.i[I_PACE_FROM])
     pace_sent(st, columns, held, resume)
     return encode_columns(st, n) if n else 0
 

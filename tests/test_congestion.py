@@ -232,6 +232,58 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
     assert st.i[K.I_REO_MULT] == 1 and st.i[K.I_REO_CLEAN] == 0
 
 
+def test_loss_detection_judges_only_columns_up_to_the_delivered_rounds():
+    """R-C4: a delivered round of column k says every rank admitted columns 0..k (R-L6: prefixes of one
+    order); a column past it may be one a rank with a smaller window has not sent: not judged lost."""
+    m = machine()
+    st = m.st
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[K.F_MIN_RTT] = 0.001
+    st.i[K.I_ADMITTED] = 8
+    st.round_block[:8] = 3
+    st.sent_at[:8] = 1.0
+    st.deadline[:8] = 2.0
+    st.f[K.F_DELIVERED_SENT], st.i[K.I_DELIVERED_COLUMN] = 1.02, 4
+    K.detect_loss(st, 1.03)
+    assert (st.deadline[:5] == 1.03).all() and (st.deadline[5:8] == 2.0).all()
+
+
+def test_the_delivered_round_is_the_latest_sent_with_its_column():
+    m = machine()
+    st = m.st
+    m.begin(1.0)
+    st.round_block[:] = 0
+    st.round_exp[:] = 1
+    st.sent_at[:] = np.nan
+    st.sent_at[5], st.sent_at[2] = 1.004, 1.002
+    ent = P.entries_array(2)
+    ent[0] = (5, 0, 0, 1, 0, 0)
+    ent[1] = (2, 0, 0, 1, 0, 0)
+    hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
+    datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.01, False) == K.APPLIED
+    assert st.f[K.F_DELIVERED_SENT] == pytest.approx(1.004) and st.i[K.I_DELIVERED_COLUMN] == 5
+
+
+def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
+    """R-C3: a rank that shares its cores may wait milliseconds for one, and every round of that time
+    waits for it; the epoch lasts at least EPOCH_MIN, so its least round trip comes from outside the stall."""
+    m = machine(delay_target=0.005)
+    st = m.st
+    st.f[K.F_MIN_RTT] = 0.0002
+    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.0003, 1
+    st.f[K.F_CWND] = 40 * ENTRY
+    K.on_rounds(st, 1, 0.0003, 1.0, 0.9997)                         # the first sample ends an epoch
+    K.on_rounds(st, 1, 0.0003, 1.0005, 1.0002)                      # an unstalled round
+    K.on_rounds(st, 4, 0.0083, 1.0088, 1.0005)                      # 8 ms stalled: still the same epoch
+    assert m.window_cuts == (0, 0) and st.f[K.F_EPOCH_START] == 1.0
+    K.on_rounds(st, 1, 0.0003, 1.0106, 1.0103)                      # ends it: the least is 0.3 ms
+    assert m.window_cuts == (0, 0) and st.f[K.F_EPOCH_START] == 1.0106
+    K.on_rounds(st, 1, 0.0083, 1.019, 1.0107)                       # a stall through a whole epoch still cuts
+    K.on_rounds(st, 1, 0.0083, 1.0215, 1.0132)
+    assert m.window_cuts == (1, 0)
+
+
 def test_loss_detection_waits_out_a_drain_and_leaves_the_rounds_sent_before_it_to_the_timer():
     """R-C8: while ranks drain, a round may wait for a rank that drained a moment earlier, as long as the
     drain; RACK (R-C4) judges nothing during a drain, and afterwards only rounds sent since it began."""
@@ -302,7 +354,7 @@ def _marked_epochs(flags, ce, epochs=3, per_epoch=4):
         for k in range(per_epoch):
             st.round_block[0], st.sent_at[0] = block, now - 0.001
             if k == 0:
-                st.f[K.F_EPOCH_START] = now - 0.002                 # this result ends the epoch
+                st.f[K.F_EPOCH_START] = now - K.EPOCH_MIN - 0.001   # this result ends the epoch
             datagram = _result(m, flags, block, block + 1)
             assert K.receive_one(st, datagram, len(datagram), 0, now, ce) == K.APPLIED
             now += 0.0002                                           # within one round trip
@@ -384,6 +436,7 @@ def rounds_ready(srtt=0.01, cwnd=40, now=1.0, **cfg):
     st.round_block[:] = np.arange(64)                               # column c's round: its own block c
     st.round_exp[:] = 1
     st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = srtt, 1
+    st.f[K.F_MIN_RTT], st.f[K.F_QUEUE] = srtt, 0.0                  # the pacer's round trip: the last epoch's least
     if st.i[K.I_CONGESTION]:
         st.f[K.F_CWND] = cwnd * ENTRY
         K.set_window(st)
@@ -434,13 +487,46 @@ def test_the_pacer_runs_at_1_2_times_the_window_after_slow_start_and_sends_two_d
 
 def test_no_pacing_before_a_round_trip_sample_or_without_the_congestion_window():
     m = rounds_ready()
-    m.st.i[K.I_HAS_SRTT] = 0
+    m.st.i[K.I_HAS_SRTT], m.st.f[K.F_MIN_RTT] = 0, np.inf
     assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == 40      # the window alone limits
     for cfg, window in ((dict(window=None), 64), (dict(window=40 * ENTRY, congestion=False), 40),
                         (dict(pacing=False), 40)):
         m = rounds_ready(**cfg)
         assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == window, cfg
         assert m.timer() == K.recovery_timer(m.st)
+
+
+def test_the_pacer_releases_a_full_datagram_of_entries_at_once():
+    """R-C7: while more columns wait than the bucket covers, the pacer sends nothing until it covers a
+    full datagram's entries: a flush after every received batch would otherwise send a column or two per
+    datagram, and a datagram's cost, not its bytes, is what a busy host runs out of."""
+    m = rounds_ready(max_datagram=P.PACKET_HEADER_SIZE + 4 * ENTRY)   # four entries per datagram
+    assert sent(m, 1.0) == 8                                        # the bucket: 1 ms at 8,000 entries/s
+    interval = 1 / 8000
+    assert sent(m, 1.0 + 1.5 * interval) == 0                       # one entry's credit: held
+    assert m.timer() == pytest.approx(1.0 + 4 * interval)           # when it covers a datagram
+    assert sent(m, m.timer(), call="poll") == 4
+    m.st.ready[:] = False
+    m.st.ready[20:22] = True                                        # fewer wait than a datagram holds:
+    assert sent(m, m.timer() + 2 * interval) == 2                   # they go once the bucket covers them
+
+
+def test_no_pacing_where_the_bucket_holds_the_whole_window():
+    """R-C7: with a round trip under the bucket's 1 ms (times the gain), a burst of the whole window is
+    what the pacer would let through anyway: it does not pace (loopback, a rack's fabric)."""
+    m = rounds_ready(srtt=0.0015)                                   # slow start: gain 2, 2 ms > 1.5 ms
+    assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == 40
+    m = rounds_ready(srtt=0.0015)
+    m.st.f[K.F_SSTHRESH] = 60 * ENTRY                               # gain 1.2: 1.2 ms < 1.5 ms, paced
+    assert np.isfinite(m.pacing[0]) and sent(m, 1.0) < 40
+
+
+def test_the_pacers_round_trip_is_the_last_epochs_least_not_a_round_that_waited():
+    """R-C7: a round that waited for a rank with a smaller window (R-L6) raises the smoothed round trip,
+    not the path's; the pacer divides the window by the last epoch's least round trip."""
+    m = rounds_ready(srtt=0.5)
+    m.st.f[K.F_MIN_RTT], m.st.f[K.F_QUEUE] = 0.008, 0.002
+    assert m.pacing[0] == pytest.approx(2 * 40 * ENTRY / 0.01)
 
 
 def test_the_pacer_takes_turns_among_aggregators():
