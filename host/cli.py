@@ -122,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--multicast", default=None, metavar="GROUP",
                        help="the aggregator sends results once to this IP multicast group (e.g. 239.255.77.1), "
                             "which the workers join, instead of once to each worker")
-        b.add_argument("--window", type=_window, default=None, metavar="auto|none|BYTES",
-                       help="the workers' window: none, every column at once; auto, the congestion window; "
-                            "BYTES, its upper bound (with --no-congestion: the fixed window)")
+        b.add_argument("--window", type=_window, default="auto", metavar="auto|none|BYTES",
+                       help="the workers' window: auto, the congestion window; BYTES, its upper bound (with "
+                            "--no-congestion: the fixed window); none, every column at once")
         b.add_argument("--congestion", action=argparse.BooleanOptionalAction, default=True,
                        help="adapt the window to the path (docs/protocol.md, R-C*)")
         b.add_argument("--floor", action="store_true",

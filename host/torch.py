@@ -15,8 +15,8 @@ environment variables:
     ZEROSUM_BLOCK_SIZE   values per block (default 256)
     ZEROSUM_TIMEOUT      seconds without progress before an allreduce fails (default 30)
     ZEROSUM_KEY          a secret shared with the aggregators (their --key-file): authenticated JOINs
-    ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): none (default), every column at
-                         once; auto, the congestion window; BYTES, its upper bound
+    ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): auto (default), the congestion
+                         window; BYTES, its upper bound; none, every column at once
     ZEROSUM_CONGESTION   0: no congestion window, ZEROSUM_WINDOW's BYTES is the fixed window
     ZEROSUM_DELAY_TARGET the queueing delay the congestion window allows, seconds (default 0.005)
     ZEROSUM_PACING       0: the congestion window's rounds leave in bursts, not paced (R-C7)
@@ -896,7 +896,7 @@ def worker_from_env(store, rank: int, world_size: int):
                     block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
                     key=key,
-                    window=window_from_env(os.environ.get("ZEROSUM_WINDOW", "none")),
+                    window=window_from_env(os.environ.get("ZEROSUM_WINDOW", "auto")),
                     congestion=switch_from_env("ZEROSUM_CONGESTION"),
                     delay_target=float(os.environ.get("ZEROSUM_DELAY_TARGET", DELAY_TARGET)),
                     pacing=switch_from_env("ZEROSUM_PACING"),

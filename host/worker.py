@@ -71,10 +71,11 @@ class Worker:
         results to (once for every worker, instead of once per worker); this worker joins it.
     window: bytes in flight (docs/protocol.md, R-L6): the entries of at most window / (16 +
         4 * block_size) columns are out at once, and so are their results, which is what the link to
-        this worker must queue. None (the default): no window, every column at once, as fast as the
-        socket takes them. "auto": a congestion window that finds the path's rate by itself
-        (R-C1..R-C5: slow start, additive increase, cuts on queueing delay and on loss). A number of
-        bytes: an upper bound for the congestion window.
+        this worker must queue. "auto" (the default): a congestion window that finds the path's rate by
+        itself (R-C1..R-C8: slow start, additive increase, cuts on queueing delay and on loss, drains
+        that share a link between jobs). A number of bytes: an upper bound for the congestion window.
+        None: no window, every column at once, as fast as the socket takes them (on a link slower than
+        the aggregator's, the results then overflow the link's queue).
     congestion: False turns the congestion window off: a number `window` is then the fixed window,
         e.g. a hand-tuned bandwidth-delay product plus what the switch port can queue.
     delay_target: the queueing delay the congestion window allows above the least round trip seen,
@@ -92,7 +93,7 @@ class Worker:
                  block_size: int = 256, *, timeout: float = 30.0, max_datagram: int | None = None,
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
-                 window: int | str | None = None, congestion: bool = True,
+                 window: int | str | None = "auto", congestion: bool = True,
                  delay_target: float = DELAY_TARGET, pacing: bool = True, multicast: str | None = None,
                  silence: float | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
