@@ -130,7 +130,7 @@ def _train(torch, zerosum, rank, world, cfg) -> dict:
         p.grad = v                                  # backward accumulates into the flat buffer
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     losses, step_s, comm_s, blocks = [], [], [], []
-    extra = {k: cfg[k] for k in ("max_datagram", "window") if cfg.get(k)}
+    extra = {"window": cfg["window"], **({"max_datagram": cfg["max_datagram"]} if cfg.get("max_datagram") else {})}
     with zerosum.Worker(rank, world, [cfg["address"]], job=cfg["job"], block_size=BLOCK, timeout=60, **extra) as w:
         before = (w.stats.bytes_sent, w.stats.bytes_received, w.stats.datagrams_sent)
         for s in range(steps):
@@ -215,7 +215,7 @@ def where_label(args) -> str:
     label = args.rate or "loopback"
     if args.rate and (args.aggregator_rate or args.rate) != args.rate:
         label += f", aggregator {args.aggregator_rate}"
-    return label + (f", window {args.window}" if args.window else "")
+    return label + (f", window {args.window or 'none'}" if args.window != "auto" else "")
 
 
 def run_ids(ids, args, net, tmp, job0):
@@ -371,7 +371,8 @@ def main(argv=None) -> int:
 
 
 def describe(args) -> str:
-    window = f", window {args.window}{' bytes' if isinstance(args.window, int) else ''}" if args.window else ""
+    window = (f", window {args.window or 'none'}{' bytes' if isinstance(args.window, int) else ''}"
+              if args.window != "auto" else "")
     datagrams = f", datagrams <= {args.max_datagram} bytes" if args.max_datagram else ""
     if not args.rate:
         return "loopback, one local aggregator" + window + datagrams

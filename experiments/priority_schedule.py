@@ -213,7 +213,7 @@ def one_rank(rank: int, cfg: dict) -> dict:
     import zerosum
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}", rank=rank, world_size=cfg["world"])
-    extra = {k: cfg[k] for k in ("max_datagram", "window") if cfg.get(k)}
+    extra = {"window": cfg["window"], **({"max_datagram": cfg["max_datagram"]} if cfg.get("max_datagram") else {})}
     try:
         with zerosum.Worker(rank, cfg["world"], [cfg["aggregator"]], job=cfg["job"], timeout=cfg["timeout"],
                             **extra) as worker:

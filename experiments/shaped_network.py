@@ -50,7 +50,7 @@ LINK_HELP = {
               "window), none (every column at once) or the bytes in flight",
 }
 # what a default of None means, in the help
-UNSET = {"rate": "none, all on loopback", "aggregator-rate": "RATE", "max-datagram": "64 KiB", "window": "none"}
+UNSET = {"rate": "none, all on loopback", "aggregator-rate": "RATE", "max-datagram": "64 KiB"}
 
 
 def link_rate(text: str) -> str:
@@ -67,10 +67,11 @@ class _Runs(argparse.Action):
 
 
 def add_link_options(parser: argparse.ArgumentParser, options=LINK_OPTIONS, *, rate=None, aggregator_rate=None,
-                     mtu=9000, max_datagram=None, window=None, loopback=False, runs=(), notes=None) -> None:
+                     mtu=9000, max_datagram=None, window="auto", loopback=False, runs=(), notes=None) -> None:
     """Add the shaped-link options named in `options` to `parser`, with these defaults: rate None, no
-    shaped links unless --rate is given; aggregator_rate None, RATE; max_datagram and window None,
-    zerosum.Worker's (64 KiB, no window). With `loopback` (implied by rate LOOPBACK) --rate also takes
+    shaped links unless --rate is given; aggregator_rate None, RATE; max_datagram None and window
+    "auto", zerosum.Worker's (64 KiB, the congestion window; --window none: None, every column at once,
+    which the scripts pass on as given). With `loopback` (implied by rate LOOPBACK) --rate also takes
     "loopback": the scripts that name the run without links so. The options named in `runs` may be
     repeated, a run per value (a list, or their default). `notes` (option -> text) replaces an option's
     "default ..." in its help where the script does more than take the default."""

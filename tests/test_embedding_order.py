@@ -33,10 +33,11 @@ def test_a_run_replaces_only_the_rows_of_its_own_network(tmp_path):
 def test_each_network_has_a_name_of_its_own():
     from argparse import Namespace
     names = [E.where_label(Namespace(rate=rate, aggregator_rate=agg, window=window))
-             for rate, agg, window in [(None, None, None), ("1gbit", None, None), ("1gbit", "1gbit", None),
-                                       ("1gbit", "10gbit", None), ("1gbit", None, 1000), (None, None, 1000)]]
+             for rate, agg, window in [(None, None, "auto"), ("1gbit", None, "auto"), ("1gbit", "1gbit", "auto"),
+                                       ("1gbit", "10gbit", "auto"), ("1gbit", None, 1000), (None, None, 1000),
+                                       (None, None, None)]]
     assert names == ["loopback", "1gbit", "1gbit", "1gbit, aggregator 10gbit", "1gbit, window 1000",
-                     "loopback, window 1000"]
+                     "loopback, window 1000", "loopback, window none"]
 
 
 def test_rate_needs_root(monkeypatch):
