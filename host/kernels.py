@@ -292,9 +292,9 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     applied), or -DROP_* when malformed.
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
-    was sent once only), and counts[8] that round's column: the congestion controller's samples (a bootstrap round also waits for ranks
-    that start later, so it says nothing about the path; the least, because the others may have waited
-    for another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
+    was sent once only), and counts[8] that round's column: the congestion controller's samples (a
+    bootstrap round also waits for ranks that start later, so it says nothing about the path; the least,
+    because the others may have waited for another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
     bootstrap: the aggregator held what was resent (R-C4).
     """
     hdr, counts, round_block, round_exp = st.hdr, st.counts, st.round_block, st.round_exp
@@ -534,7 +534,8 @@ N_I = I_DELIVERED_COLUMN + 1
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
-# ready for want of credit (the columns the bucket must hold before the next send); I_PACE_FROM: the aggregator whose columns the next flush takes first (R-C7).
+# ready for want of credit (the columns the bucket must hold before the next send); I_PACE_FROM: the
+# aggregator whose columns the next flush takes first (R-C7).
 # F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
 # F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
 # (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
@@ -840,10 +841,11 @@ _PACE_SLACK = 1e-3             # of a column: what float rounding may leave shor
 
 @njit(inline="always", **JIT)
 def pacing_rate(st):
-    """R-C7: the pacer's rate in bytes per second, gain x cwnd / srtt (RFC 9002, section 7.7; the gains
+    """R-C7: the pacer's rate in bytes per second, gain x cwnd / rtt (RFC 9002, section 7.7; the gains
     are Linux's tcp_update_pacing_rate: twice the window per round trip while the window is under half
-    of ssthresh, as slow start doubles it, 1.2 times after); inf when there is no pacer (no congestion
-    window) or no round-trip sample yet."""
+    of ssthresh, as slow start doubles it, 1.2 times after), where rtt is the last epoch's least round trip
+    (R-C3), not srtt, which rounds that waited for a rank with a smaller window raise; inf when there is
+    no pacer (no congestion window), no round-trip sample yet, or a round trip under the bucket's time."""
     f = st.f
     rtt = f[F_MIN_RTT] + max(0.0, f[F_QUEUE])
     if not st.i[I_PACING] or not np.isfinite(rtt) or rtt <= 0.0:
@@ -864,7 +866,8 @@ def entries_per_datagram(st):
 @njit(inline="always", **JIT)
 def pacing_burst(st, rate):
     """R-C7: the bucket's size in bytes: 1 ms at `rate`, and at least two full datagrams of entries."""
-    return max(rate * PACING_QUANTUM, np.float64(PACING_MIN_DATAGRAMS * entries_per_datagram(st) * st.i[I_ENTRY]))
+    least = PACING_MIN_DATAGRAMS * entries_per_datagram(st) * st.i[I_ENTRY]
+    return max(rate * PACING_QUANTUM, np.float64(least))
 
 
 @njit(inline="always", **JIT)
