@@ -209,15 +209,23 @@ def test_an_allreduce_that_ends_while_draining_hands_on_the_window_it_saved():
     assert nxt.window_columns == 40 and nxt.st.f[K.F_DRAIN_SLOT] == 1
 
 
-def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
+def rounds_in_flight(*sent_at):
+    """A machine with a round past the bootstrap in flight in columns 0, 1, ..., sent at these times, their
+    timers at 2.0, a 10 ms smoothed and 1 ms least round trip (RACK's tests, R-C4)."""
     m = machine()
     st = m.st
     st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
     st.f[K.F_MIN_RTT] = 0.001
-    st.i[K.I_ADMITTED] = 2
-    st.round_block[:2] = 3                                          # two rounds in flight
-    st.sent_at[0], st.sent_at[1] = 1.0, 1.007
-    st.deadline[:2] = 2.0
+    n = len(sent_at)
+    st.i[K.I_ADMITTED] = n
+    st.round_block[:n] = 3
+    st.sent_at[:n] = sent_at
+    st.deadline[:n] = 2.0
+    return m, st
+
+
+def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
+    m, st = rounds_in_flight(1.0, 1.007)                            # two rounds in flight
     st.f[K.F_DELIVERED_SENT] = 1.008                                # a round sent 8 ms after column 0's arrived
     st.i[K.I_REO_MULT] = 2                                          # 10 ms: not yet lost
     K.detect_loss(st, 1.01)
@@ -235,14 +243,7 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
 def test_loss_detection_judges_only_columns_up_to_the_delivered_rounds():
     """R-C4: a delivered round of column k says every rank admitted columns 0..k (R-L6: prefixes of one
     order); a column past it may be one a rank with a smaller window has not sent: not judged lost."""
-    m = machine()
-    st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_MIN_RTT] = 0.001
-    st.i[K.I_ADMITTED] = 8
-    st.round_block[:8] = 3
-    st.sent_at[:8] = 1.0
-    st.deadline[:8] = 2.0
+    m, st = rounds_in_flight(*[1.0] * 8)
     st.f[K.F_DELIVERED_SENT], st.i[K.I_DELIVERED_COLUMN] = 1.02, 4
     K.detect_loss(st, 1.03)
     assert (st.deadline[:5] == 1.03).all() and (st.deadline[5:8] == 2.0).all()
@@ -287,14 +288,7 @@ def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
 def test_loss_detection_waits_out_a_drain_and_leaves_the_rounds_sent_before_it_to_the_timer():
     """R-C8: while ranks drain, a round may wait for a rank that drained a moment earlier, as long as the
     drain; RACK (R-C4) judges nothing during a drain, and afterwards only rounds sent since it began."""
-    m = machine()
-    st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_MIN_RTT] = 0.001
-    st.i[K.I_ADMITTED] = 2
-    st.round_block[:2] = 3
-    st.sent_at[0], st.sent_at[1] = 1.0, 1.096                       # column 0 sent before the drain
-    st.deadline[:2] = 2.0
+    m, st = rounds_in_flight(1.0, 1.096)                            # column 0 sent before the drain
     st.f[K.F_DRAIN_START], st.f[K.F_DRAIN_END], st.f[K.F_RACK_FROM] = 1.01, 1.03, np.inf   # as drain_step sets
     st.f[K.F_DELIVERED_SENT] = 1.025
     K.detect_loss(st, 1.029)                                        # draining: nothing is judged
