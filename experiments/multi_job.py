@@ -66,7 +66,9 @@ def _rank(job, world, rank, block, address, size, density, rounds, loss, die, ma
     from zerosum.reference import reference_allreduce
     from zerosum.warmup import warm_up
     try:
-        extra = {"window": window} if max_datagram is None else {"window": window, "max_datagram": max_datagram}
+        extra = {"window": window}
+        if max_datagram is not None:
+            extra["max_datagram"] = max_datagram
         xs = [_tensor(job, rank, r, size, density, block) for r in range(rounds)]
         refs = [reference_allreduce([_tensor(job, q, r, size, density, block) for q in range(world)], block)
                 for r in range(rounds)]
