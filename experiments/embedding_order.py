@@ -59,7 +59,8 @@ from zerosum import placement as pl
 
 from ranks import Ranks
 from report import json_safe, steps_text
-from shaped_network import add_link_options, aggregator_ip, aggregator_on, on_host, shaped_star, worker_ip
+from shaped_network import (add_link_options, aggregator_ip, aggregator_on, on_host, shaped_star, worker_ip,
+                            worker_options)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "embedding-order-result "
@@ -130,7 +131,7 @@ def _train(torch, zerosum, rank, world, cfg) -> dict:
         p.grad = v                                  # backward accumulates into the flat buffer
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     losses, step_s, comm_s, blocks = [], [], [], []
-    extra = {"window": cfg["window"], **({"max_datagram": cfg["max_datagram"]} if cfg.get("max_datagram") else {})}
+    extra = worker_options(cfg)
     with zerosum.Worker(rank, world, [cfg["address"]], job=cfg["job"], block_size=BLOCK, timeout=60, **extra) as w:
         before = (w.stats.bytes_sent, w.stats.bytes_received, w.stats.datagrams_sent)
         for s in range(steps):

@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 
 from report import update_sections
-from shaped_network import _bits, add_link_options, aggregator_on, on_host, shaped_star
+from shaped_network import _bits, add_link_options, aggregator_on, on_host, shaped_star, worker_options
 
 VARIANTS = ("local", "ddp", "bucket", "priority", "hybrid")
 MARKER = "S2-RESULT "
@@ -213,7 +213,7 @@ def one_rank(rank: int, cfg: dict) -> dict:
     import zerosum
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{cfg['master']}", rank=rank, world_size=cfg["world"])
-    extra = {"window": cfg["window"], **({"max_datagram": cfg["max_datagram"]} if cfg.get("max_datagram") else {})}
+    extra = worker_options(cfg)
     try:
         with zerosum.Worker(rank, cfg["world"], [cfg["aggregator"]], job=cfg["job"], timeout=cfg["timeout"],
                             **extra) as worker:

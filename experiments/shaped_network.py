@@ -53,6 +53,12 @@ LINK_HELP = {
 UNSET = {"rate": "none, all on loopback", "aggregator-rate": "RATE", "max-datagram": "64 KiB"}
 
 
+def worker_options(cfg: dict) -> dict:
+    """The zerosum.Worker options of a run's config: its window always (None is none, not the default),
+    its datagram limit where one was set."""
+    return {"window": cfg["window"], **({"max_datagram": cfg["max_datagram"]} if cfg.get("max_datagram") else {})}
+
+
 def link_rate(text: str) -> str:
     """--rate's type where the script also runs without links: a rate as tc writes it, or "loopback"."""
     return text if text == LOOPBACK else rate_type(text)

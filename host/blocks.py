@@ -176,7 +176,7 @@ class CollectedBlocks:
         self.block_size = block_size
         # the kernel's counters: duplicates, rows used, columns done, blocks of the sum with data, and the
         # congestion controller's samples of the last datagram (kernels.apply_datagram)
-        self.count = np.zeros(9, np.int64)
+        self.count = np.zeros(kernels.N_COUNTS, np.int64)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:

@@ -294,8 +294,8 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
     was sent once only), and counts[8] that round's column: the congestion controller's samples (a
     bootstrap round also waits for ranks that start later, so it says nothing about the path; the least,
-    because the others may have waited for another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
-    bootstrap: the aggregator held what was resent (R-C4).
+    because the others may have waited for another rank's retransmission). counts[7] counts the STATUS
+    entries for current rounds past the bootstrap: the aggregator held what was resent (R-C4).
     """
     hdr, counts, round_block, round_exp = st.hdr, st.counts, st.round_block, st.round_exp
     seq, mine_pos, col_stop = st.seq, st.mine_pos, st.col_stop
@@ -512,7 +512,7 @@ class WorkerState(NamedTuple):
     cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out
     values: np.ndarray         # float32 or int32: where sums go (DenseResult/CollectedBlocks .flat)
     blocks_out: np.ndarray     # int64: with collect, the block of each row of values
-    counts: np.ndarray         # int64 [8]: duplicates, rows used, columns done, union blocks, the
+    counts: np.ndarray         # int64 [N_COUNTS]: duplicates, rows used, columns done, union blocks, the
     #                            congestion samples of the last datagram and its STATUS entries (apply_datagram)
     f: np.ndarray              # float64 [F_*]
     i: np.ndarray              # int64 [I_*]
@@ -531,6 +531,7 @@ class WorkerState(NamedTuple):
  I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
  I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN) = range(34)
 N_I = I_DELIVERED_COLUMN + 1
+N_COUNTS = 9    # WorkerState.counts (apply_datagram says what each holds)
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns

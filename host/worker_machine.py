@@ -220,7 +220,7 @@ class AllreduceMachine:
             # datagrams are built here: at most one per column, each at most max_datagram bytes
             out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
-            counts=output.count if output.collect else np.zeros(9, np.int64),
+            counts=output.count if output.collect else np.zeros(K.N_COUNTS, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
