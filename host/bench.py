@@ -136,7 +136,8 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                     events.put(("step", rank))
             events.put(("result", rank, row,
                         {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest,
-                         "window_bytes": w.stats.window, "srtt_s": w.stats.srtt}))
+                         "window_bytes": w.stats.window, "srtt_s": w.stats.srtt,
+                         "window": w.config.window}))
     if dist is not None:
         dist.destroy_process_group()
     events.put(("done", rank))
@@ -260,6 +261,7 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         # where each worker's window and round trip settled (after the row's last allreduce)
         "window_bytes": [r.get("window_bytes") for r in results],
         "srtt_s": [r.get("srtt_s") for r in results],
+        "window": results[0].get("window", plan.get("window")) if results else None,   # what "auto" became
     }
 
 
@@ -304,6 +306,9 @@ def window_summary(results: Mapping) -> str:
     densities)."""
     plan = results["plan"]
     window = plan.get("window")
+    used = [r.get("window", window) for run in results["runs"] for r in run["rows"]]
+    if window == "auto" and used and all(u is None for u in used):
+        return "no window (auto, with every aggregator on this host: no link to find the rate of)"
     kind = ("no window (every column at once)" if window is None else
             f"fixed window {window:,} B" if not plan.get("congestion", True) else
             "congestion window" + ("" if window == "auto" else f" (at most {window:,} B)"))

@@ -1118,6 +1118,10 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                     return PROBE, n, i, off
             i += 1
             off = 0
+        # the clock again: applying a batch can take milliseconds on a busy host, and the rounds' send
+        # times are what RACK (R-C4) compares; taken at the batch's start, a whole batch's rounds would
+        # look sent that much earlier than those of the next batch
+        now = T.monotonic(rx.clock)
         nd = flush_ready(st, now)
         if nd:
             queue_cuts(fd, tx, st, nd, keys, loss)

@@ -899,7 +899,7 @@ def worker_from_env(store, rank: int, world_size: int):
                     window=window_from_env(os.environ.get("ZEROSUM_WINDOW", "auto")),
                     congestion=switch_from_env("ZEROSUM_CONGESTION"),
                     delay_target=float(os.environ.get("ZEROSUM_DELAY_TARGET", DELAY_TARGET)),
-                    pacing=switch_from_env("ZEROSUM_PACING"),
+                    pacing=switch_from_env("ZEROSUM_PACING") if os.environ.get("ZEROSUM_PACING") else None,
                     multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
                     silence=float(os.environ["ZEROSUM_SILENCE"]) if os.environ.get("ZEROSUM_SILENCE") else None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}

@@ -24,6 +24,7 @@ call boundary at once, never what a receiver without them sees. The structures a
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import struct
@@ -525,6 +526,15 @@ def local_ip(address: tuple[str, int]) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(address)
         return s.getsockname()[0]
+
+
+def on_this_host(addresses) -> bool:
+    """Whether every address is this host's own (loopback, or an address of one of its interfaces): the
+    datagrams then cross no link."""
+    try:
+        return all(ipaddress.ip_address(a[0]).is_loopback or local_ip(a) == a[0] for a in addresses)
+    except (OSError, ValueError):
+        return False
 
 
 def datagram_limit(addresses, cap: int) -> int:

@@ -73,7 +73,8 @@ class Worker:
         4 * block_size) columns are out at once, and so are their results, which is what the link to
         this worker must queue. "auto" (the default): a congestion window that finds the path's rate by
         itself (R-C1..R-C8: slow start, additive increase, cuts on queueing delay and on loss, drains
-        that share a link between jobs). A number of bytes: an upper bound for the congestion window.
+        that share a link between jobs); where every aggregator is on this host (no link to find the
+        rate of), no window. A number of bytes: an upper bound for the congestion window.
         None: no window, every column at once, as fast as the socket takes them (on a link slower than
         the aggregator's, the results then overflow the link's queue).
     congestion: False turns the congestion window off: a number `window` is then the fixed window,
@@ -82,7 +83,8 @@ class Worker:
         in seconds (R-C3).
     pacing: the rounds the congestion window admits leave paced, a little faster than the window per
         round trip, so that a large window does not reach a shallow switch queue in one burst (R-C7).
-        False sends them in bursts (to compare).
+        None (the default): paced unless every aggregator is on this host, where no link queues them.
+        False sends them in bursts (to compare); True paces them on this host too.
     silence: seconds after which an aggregator that answers nothing while this worker waits for it is
         taken as gone (docs/protocol.md, R-L7): the allreduce raises AggregatorSilent at once, saying which
         blocks of the output are final, instead of waiting for `timeout` (a live aggregator answers
@@ -94,7 +96,7 @@ class Worker:
                  rto: float = 0.2, loss: float = 0.0, seed: int | None = None, bind: str = "0.0.0.0:0",
                  gather_on_device: bool | None = None, max_entries: int = 0xFFFF, key=None,
                  window: int | str | None = "auto", congestion: bool = True,
-                 delay_target: float = DELAY_TARGET, pacing: bool = True, multicast: str | None = None,
+                 delay_target: float = DELAY_TARGET, pacing: bool | None = None, multicast: str | None = None,
                  silence: float | None = None):
         if not 1 <= world_size <= P.MAX_WORLD:
             raise ValueError(f"world_size must be 1..{P.MAX_WORLD}, got {world_size}")
@@ -120,11 +122,16 @@ class Worker:
         if max_datagram is None:
             # the path's MTU less the IPv4 and UDP headers: never IP fragments (docs/protocol.md, "Fusion")
             max_datagram = T.datagram_limit(self.aggregators, P.MAX_DATAGRAM)
+        # No link carries the datagrams of an aggregator on this host: the congestion window (R-C*) would
+        # find only the processes' waits for a core, and the pacer (R-C7) would turn them into a rate
+        here = T.on_this_host(self.aggregators)
+        if window == "auto" and here:
+            window = None        # R-L6: every column at once; the socket buffers hold every column's results
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
                                    window=window, congestion=bool(congestion), delay_target=float(delay_target),
-                                   pacing=bool(pacing),
+                                   pacing=not here if pacing is None else bool(pacing),
                                    # R-C8: drains fall on the wall clock's periods, time.monotonic() drives
                                    wall_clock=time.time() - time.monotonic())
         self.set_silence(silence)     # R-L7

@@ -665,14 +665,15 @@ def test_exact_under_loss_duplicates_and_reordering(seed):
 @pytest.mark.parametrize("pacing", [True, False])
 @pytest.mark.parametrize("loss", [0.0, 0.01])
 def test_real_workers_with_the_automatic_window(loss, pacing):
-    """Worker processes on loopback with window="auto", paced (R-C7) or in bursts (the compiled driver:
-    RACK-detected losses are retransmitted through the machine's poll): exact sums, and each worker
-    reports where its window and round trip settled."""
+    """Worker processes on loopback with the congestion window (bounded by a window no path here fills:
+    on this host "auto" is no window), paced (R-C7) or in bursts (the compiled driver: RACK-detected
+    losses are retransmitted through the machine's poll): exact sums, and each worker reports where its
+    window and round trip settled."""
     from procs import Aggregator, run_workers
     from test_end_to_end import N, check
     agg = Aggregator(4, loss=loss, seed=3)
     try:
-        res = run_workers(4, [agg.address], [1, 2], N, 0.5, window="auto", pacing=pacing, loss=loss, seed=7)
+        res = run_workers(4, [agg.address], [1, 2], N, 0.5, window=1 << 30, pacing=pacing, loss=loss, seed=7)
         check(res, 4, [1, 2], N, 0.5)
         for rank in range(4):
             stats = res[rank][2]
@@ -699,3 +700,17 @@ def test_the_shaped_link_experiment_runs_and_reports(tmp_path):
     text = (tmp_path / "c.md").read_text()
     assert "| 50mbit | 1500 | auto |" in text and "automatic window takes 0.50x the time" in text
     assert E.jain([1, 1, 1]) == 1.0 and E.jain([1, 0]) == 0.5
+
+
+def test_auto_is_no_window_and_no_pacer_with_the_aggregator_on_this_host():
+    """R-L6, R-C7: with every aggregator on the worker's own host "auto" is no window and the pacer is
+    off (no link to find the rate of); a bound in bytes still runs the congestion window there, and
+    pacing=True the pacer. Across a link (an address that is not this host's) both are on."""
+    import zerosum
+    from zerosum import transport as T
+    w = zerosum.Worker(0, 2, ["127.0.0.1:9"])
+    assert w.config.window is None and not w.config.pacing
+    w = zerosum.Worker(0, 2, ["127.0.0.1:9"], window=1 << 20, pacing=True)
+    assert w.config.window == 1 << 20 and w.config.congestion and w.config.pacing
+    assert T.on_this_host([("127.0.0.1", 9), ("127.3.4.5", 9)])
+    assert not T.on_this_host([("127.0.0.1", 9), ("192.0.2.1", 9)])     # TEST-NET-1: never this host's
