@@ -122,18 +122,14 @@ class Worker:
         if max_datagram is None:
             # the path's MTU less the IPv4 and UDP headers: never IP fragments (docs/protocol.md, "Fusion")
             max_datagram = T.datagram_limit(self.aggregators, P.MAX_DATAGRAM)
-        # No link carries the datagrams of an aggregator on this host: the congestion window (R-C*) would
-        # find only the processes' waits for a core, and the pacer (R-C7) would turn them into a rate
-        here = T.on_this_host(self.aggregators)
-        if window == "auto" and here:
-            window = None        # R-L6: every column at once; the socket buffers hold every column's results
+        self._asked = (window, pacing)
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
-                                   window=window, congestion=bool(congestion), delay_target=float(delay_target),
-                                   pacing=not here if pacing is None else bool(pacing),
+                                   congestion=bool(congestion), delay_target=float(delay_target),
                                    # R-C8: drains fall on the wall clock's periods, time.monotonic() drives
                                    wall_clock=time.time() - time.monotonic())
+        self._follow_path()
         self.set_silence(silence)     # R-L7
         P.max_entries(max_datagram, block_size)   # validates that one block fits
         self.rank, self.world_size, self.job, self.block_size = rank, world_size, job, block_size
@@ -282,16 +278,26 @@ class Worker:
         # R-L7: probes at most silence / 3 apart, so that a live aggregator is heard from in time
         self.config.max_rto = 1.0 if seconds is None else min(1.0, seconds / 3)
 
+    def _follow_path(self) -> None:
+        """The window and the pacer for the aggregators' path. No link carries the datagrams to an
+        aggregator on this host: there "auto" is no window, since the congestion window (R-C*) would find
+        only the processes' waits for a core, and the pacer (R-C7) would turn those into a rate."""
+        window, pacing = self._asked
+        here = T.on_this_host(self.aggregators)
+        self.config.window = None if window == "auto" and here else window   # R-L6: every column at once
+        self.config.pacing = not here if pacing is None else bool(pacing)
+
     def use_aggregators(self, aggregators) -> None:
         """Send to these aggregators ("HOST:PORT" strings, the same list on every rank) from now on, e.g. a
         standby after the aggregators failed; join them with poll_rejoin. The datagram size limit stays
-        the one of the first aggregators."""
+        the one of the first aggregators; the window and the pacer follow the new ones."""
         self._check_open()
         self.aggregator_names, self.aggregators = _aggregator_list(aggregators)
         self.config.aggregator_names = self.aggregator_names
         self._from = {addr: i for i, addr in enumerate(self.aggregators)}
         self._keys = np.array([T.address_key(a) for a in self.aggregators], np.int64)
         self._column_orders.clear()        # a balance for other aggregators' columns
+        self._follow_path()                # e.g. from an aggregator on this host to one across a link
         self._path = None
         self._rejoin = None
 

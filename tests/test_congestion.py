@@ -712,5 +712,11 @@ def test_auto_is_no_window_and_no_pacer_with_the_aggregator_on_this_host():
     assert w.config.window is None and not w.config.pacing
     w = zerosum.Worker(0, 2, ["127.0.0.1:9"], window=1 << 20, pacing=True)
     assert w.config.window == 1 << 20 and w.config.congestion and w.config.pacing
+    w = zerosum.Worker(0, 2, ["192.0.2.1:9"])                              # TEST-NET-1: never this host's
+    assert (w.config.window, w.config.pacing) == ("auto", True)
+    w.sock = object()                                                       # as if open: use_aggregators checks
+    w.use_aggregators(["127.0.0.1:9"])                                      # a standby on this host
+    assert (w.config.window, w.config.pacing) == (None, False)
+    w.sock = None
     assert T.on_this_host([("127.0.0.1", 9), ("127.3.4.5", 9)])
-    assert not T.on_this_host([("127.0.0.1", 9), ("192.0.2.1", 9)])     # TEST-NET-1: never this host's
+    assert not T.on_this_host([("127.0.0.1", 9), ("192.0.2.1", 9)])
