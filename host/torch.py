@@ -16,10 +16,12 @@ environment variables:
     ZEROSUM_TIMEOUT      seconds without progress before an allreduce fails (default 30)
     ZEROSUM_KEY          a secret shared with the aggregators (their --key-file): authenticated JOINs
     ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): auto (default), the congestion
-                         window; BYTES, its upper bound; none, every column at once
+                         window (no window with every aggregator on this host); BYTES, its upper bound;
+                         none, every column at once
     ZEROSUM_CONGESTION   0: no congestion window, ZEROSUM_WINDOW's BYTES is the fixed window
     ZEROSUM_DELAY_TARGET the queueing delay the congestion window allows, seconds (default 0.005)
-    ZEROSUM_PACING       0: the congestion window's rounds leave in bursts, not paced (R-C7)
+    ZEROSUM_PACING       0: the congestion window's rounds leave in bursts, not paced (R-C7); 1: paced
+                         on this host too (unset: paced unless every aggregator is on this host)
     ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
     ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
     ZEROSUM_PATHS        zerosum (default): every SUM allreduce through ZeroSum; auto: each one through
@@ -862,7 +864,7 @@ def window_from_env(text: str):
 
 
 def switch_from_env(name: str) -> bool:
-    """A switch that is on by default (ZEROSUM_CONGESTION, ZEROSUM_PACING): off for 0, off, no or false."""
+    """A switch that is on unless set to 0, off, no or false (ZEROSUM_CONGESTION; ZEROSUM_PACING once set)."""
     return os.environ.get(name, "1") not in ("0", "off", "no", "false")
 
 
