@@ -96,26 +96,28 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                         congestion=plan.get("congestion", True)) as w:
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
-            y = np.empty_like(x)
+            data = _Staged(x, plan.get("device", "cpu"))
             zs, marks = [], []
             for i in range(plan["warmup"] + plan["rounds"]):
                 # In place, as gloo's all_reduce is: restore the input (untimed), then reduce it.
-                np.copyto(y, x)
+                data.restore()
                 if i == plan["warmup"]:
                     checkpoint(row, "start")
                 barrier()
                 before = _meter(w)
                 t0 = time.perf_counter()
-                w.allreduce(y, out=y)
+                w.allreduce(data.y, out=data.y)
+                data.wait()
                 dt = time.perf_counter() - t0
                 marks.append((before, _meter(w)))
                 if i == 0:
-                    digest = hashlib.sha1(y.tobytes()).hexdigest()
+                    result = data.result()
+                    digest = hashlib.sha1(result.tobytes()).hexdigest()
                     if plan["verify"] and rank == 0:
                         from .reference import reference_allreduce
                         ref = reference_allreduce([bench_tensor(r, density, plan["size"], plan["block_size"])
                                                    for r in range(world)], plan["block_size"])
-                        if ref.tobytes() != y.tobytes():
+                        if ref.tobytes() != result.tobytes():
                             raise AssertionError(f"density {density}: result differs from the reference")
                 if i >= plan["warmup"]:
                     zs.append(dt)
@@ -123,13 +125,12 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
             checkpoint(row, "end")
             base = []
             if dist is not None:
-                import torch
-                t = torch.from_numpy(x.copy())
                 for i in range(plan["warmup"] + plan["rounds"]):
-                    t.copy_(torch.from_numpy(x))
+                    data.restore()
                     barrier()
                     t0 = time.perf_counter()
-                    dist.all_reduce(t)
+                    dist.all_reduce(data.y_tensor())
+                    data.wait()
                     dt = time.perf_counter() - t0
                     if i >= plan["warmup"]:
                         base.append(dt)
@@ -141,6 +142,43 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
     if dist is not None:
         dist.destroy_process_group()
     events.put(("done", rank))
+
+
+class _Staged:
+    """A rank's input `x` and the buffer `y` it is reduced in, on the host (numpy) or on a torch device
+    (--device cuda: a GPU worker's tensors; Worker.allreduce finds their blocks on the device, and gloo
+    reduces the same tensor). `wait` ends a timed call only when the device has finished it."""
+
+    def __init__(self, x: np.ndarray, device: str):
+        self.device = device
+        if device == "cpu":
+            self.x, self.y = x, np.empty_like(x)
+        else:
+            import torch
+            self.torch = torch
+            self.x = torch.from_numpy(x).to(device)
+            self.y = torch.empty_like(self.x)
+
+    def restore(self) -> None:
+        if self.device == "cpu":
+            np.copyto(self.y, self.x)
+        else:
+            self.y.copy_(self.x)
+            self.wait()
+
+    def wait(self) -> None:
+        if self.device != "cpu":
+            self.torch.cuda.synchronize(self.device)
+
+    def result(self) -> np.ndarray:
+        return self.y if self.device == "cpu" else self.y.cpu().numpy()
+
+    def y_tensor(self):
+        """y as a torch tensor (sharing its memory), for gloo."""
+        if self.device == "cpu":
+            import torch
+            return torch.from_numpy(self.y)
+        return self.y
 
 
 # -- in the bench process ----------------------------------------------------------------------------
@@ -329,7 +367,8 @@ def bench_table(results: Mapping):
     from rich.table import Table
     plan = results["plan"]
     aggs = results["aggregators"]
-    table = Table(title=f"ZeroSum vs gloo: {plan['size']:,} float32, block {plan['block_size']}, "
+    on = f" on {plan['device']}" if plan.get("device", "cpu") != "cpu" else ""
+    table = Table(title=f"ZeroSum vs gloo: {plan['size']:,} float32{on}, block {plan['block_size']}, "
                         f"{aggs} aggregator{'s' if aggs != 1 else ''}, {results['cpus']} CPUs",
                   caption="; ".join(f"{h}: {legend}" for h, legend in COLUMNS) + ".",
                   caption_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
@@ -364,6 +403,24 @@ def tick_label(ratio: float) -> str:
     return f"{ratio:g}×"
 
 
+def check_device(device: str) -> None:
+    """--device: a torch device this machine has (raises ValueError naming what is missing)."""
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"--device {device} needs torch (pip install 'zerosum[torch]')") from None
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device}: {e}") from None
+    if d.type != "cuda":
+        raise ValueError(f"--device must be cpu or a CUDA device (cuda, cuda:N), got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch finds no CUDA device on this machine")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def run_from_args(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -378,12 +435,14 @@ def run_from_args(args) -> int:
         raise ValueError(f"--worlds must be at most {MAX_WORLD}, got {max(args.workers)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
+    if args.device != "cpu":
+        check_device(args.device)
     console = Console()
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
             "max_datagram": args.max_datagram, "mtu": args.mtu, "multicast": args.multicast,
-            "window": args.window, "congestion": args.congestion}
+            "window": args.window, "congestion": args.congestion, "device": args.device}
     if plan["baseline"]:
         try:
             import torch  # noqa: F401

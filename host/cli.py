@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "--no-congestion: the fixed window); none, every column at once")
         b.add_argument("--congestion", action=argparse.BooleanOptionalAction, default=True,
                        help="adapt the window to the path (docs/protocol.md, R-C*)")
+        b.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                       help="where the workers' tensors live: cuda for GPU workers (torch tensors on the "
+                            "device, their blocks found there; gloo reduces the same tensors)")
         b.add_argument("--floor", action="store_true",
                        help="also run the sockets-only star (the floor: moving the same datagrams, no "
                             "arithmetic, no loss recovery) and show ZeroSum's time against it")

@@ -51,8 +51,7 @@ def gather_nonzero(t, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         live = maxabs > 0
     idx = live.nonzero().squeeze(1)
     compact = rows.index_select(0, idx)
-    host = compact.cpu().pin_memory() if compact.is_cuda else compact.cpu()
-    return idx.cpu().numpy().astype(np.int64), host.numpy()
+    return idx.cpu().numpy().astype(np.int64), compact.cpu().numpy()
 
 
 def scatter_result(t, blocks: np.ndarray, rows: np.ndarray, block_size: int, out=None):

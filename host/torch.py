@@ -651,7 +651,7 @@ AGREEMENT_TIMEOUT = 60.0
 
 def reduce_on_chosen_path(paths, key, tensor: torch.Tensor, worker: Worker, lock, ring,
                           average: bool = False) -> bool:
-    """Sum `tensor` (contiguous, on the CPU) over the ranks in place, through ZeroSum (averaged with
+    """Sum `tensor` (contiguous, on any device) over the ranks in place, through ZeroSum (averaged with
     `average`) or through the ring, as `paths` chooses for `key`; timed and reported to `paths`. The
     first call calibrates `paths` (a few ZeroSum allreduces of a zero and a dense buffer). Returns
     whether the ring took it (then the sum is not averaged)."""
@@ -659,7 +659,8 @@ def reduce_on_chosen_path(paths, key, tensor: torch.Tensor, worker: Worker, lock
         n = min(max(tensor.numel(), CALIBRATION_VALUES[0]), CALIBRATION_VALUES[1])
 
         def timed(density):
-            x = torch.zeros(n) if density == 0 else torch.ones(n)
+            # on the bucket's device: a CUDA bucket's time includes its copies to and from the host
+            x = (torch.zeros if density == 0 else torch.ones)(n, device=tensor.device)
             with lock:
                 start = time.perf_counter()
                 worker.allreduce(x, out=x)
@@ -777,11 +778,11 @@ class Failover:
         anyone = mine.clone()
         self._reduce(anyone, ReduceOp.MAX)
         flat = tensor.view(-1)
-        mine_v = mine.repeat_interleave(B)[:n].bool()
-        anyone_v = anyone.repeat_interleave(B)[:n].bool()
-        final = torch.where(mine_v, flat, torch.tensor(float("-inf"), dtype=flat.dtype))
+        mine_v = mine.repeat_interleave(B)[:n].bool().to(flat.device)
+        anyone_v = anyone.repeat_interleave(B)[:n].bool().to(flat.device)
+        final = torch.where(mine_v, flat, torch.tensor(float("-inf"), dtype=flat.dtype, device=flat.device))
         self._reduce(final, ReduceOp.MAX)
-        inputs = torch.where(anyone_v, torch.zeros((), dtype=flat.dtype), flat)
+        inputs = torch.where(anyone_v, torch.zeros((), dtype=flat.dtype, device=flat.device), flat)
         self._reduce(inputs)
         if average:
             inputs.div_(self.world)
@@ -1008,4 +1009,6 @@ def _create(store, rank, world_size, timeout):
 
 
 if "zerosum" not in dist.Backend.backend_list:
-    dist.Backend.register_backend("zerosum", _create, devices=["cpu"])
+    # CUDA tensors too: Worker.allreduce finds and gathers their blocks on the device (zerosum.tensors), and
+    # the collectives delegated to gloo take CUDA tensors as gloo does
+    dist.Backend.register_backend("zerosum", _create, devices=["cpu", "cuda"])

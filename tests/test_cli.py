@@ -25,6 +25,8 @@ def test_help(cmd):
     (["aggregator", "--max-datagram", "30"], "max_datagram must be"),
     (["bench", "--densities", "0.5,2"], "densities must be in"),
     (["bench", "--workers", "40", "--no-baseline"], "at most 32"),
+    (["bench", "--device", "mps"], "--device must be cpu or a CUDA device"),
+    (["bench", "--device", "cuda:7"], "--device cuda:7: "),       # no 8 GPUs here (or none at all)
     (["check", "--rank", "3", "--world", "2"], "--rank must be"),
     (["switch", "-i", "1@lo", "--members", "10.0.0.1:1"], "--members needs --udp"),
     (["switch", "--udp", "127.0.0.1:0", "--members", "10.0.0.1:1", "10.0.0.1:1"], "given twice"),

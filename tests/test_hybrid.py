@@ -162,10 +162,18 @@ def test_backend_all_reduce_chooses_per_call_and_sums_exactly():
     assert sparse["density"] == pytest.approx(16 / 157)    # values 0..3999 are non-zero: blocks 0..15 of 157
 
 
-def test_training_survives_the_aggregator_being_killed_and_goes_back_to_it_once_restarted():
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_available(), reason="no CUDA device on this machine"))])
+def test_training_survives_the_aggregator_being_killed_and_goes_back_to_it_once_restarted(device):
     """The aggregator is SIGKILLed during a backward pass and restarted 2 s later on the same port: the
     ranks finish the interrupted bucket, train through the ring meanwhile, rejoin, and end with the
-    same parameters on every rank after every step, as a run through gloo alone would (within rounding)."""
+    same parameters on every rank after every step, as a run through gloo alone would (within rounding).
+    On a GPU model too: the buckets and the pieces a failed bucket is finished from are CUDA tensors."""
     import threading
     from procs import Aggregator
     from zerosum.udp import free_port
@@ -183,7 +191,7 @@ def test_training_survives_the_aggregator_being_killed_and_goes_back_to_it_once_
     t.start()
     try:
         runs = torch_procs.spawn(torch_procs.ddp_surviving, world, free_port(), agg.address, after, kill_at,
-                                 agg.proc.pid)
+                                 agg.proc.pid, None, device)
     finally:
         agg.proc.kill()
         counters = restarted[0].stop() if restarted else {}
@@ -196,7 +204,7 @@ def test_training_survives_the_aggregator_being_killed_and_goes_back_to_it_once_
     assert r0["failover"]["ring_buckets_while_down"] > 0
     assert counters.get("rounds", 0) > 0              # the restarted aggregator summed the last steps
     assert r0["back"] is not None and len(l0) == r0["back"] + after
-    plain = torch_procs.spawn(torch_procs.ddp_training, world, free_port(), None, False, len(l0))
+    plain = torch_procs.spawn(torch_procs.ddp_training, world, free_port(), None, False, len(l0), device)
     for a, b in zip(p0, plain[0][0]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(l0, plain[0][1], rtol=1e-4)

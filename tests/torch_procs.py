@@ -62,8 +62,8 @@ def _model(seed):
                                torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
 
-def ddp_training(rank, world, port, aggregator, use_hook, steps):
-    """A few DDP steps of a small embedding model; returns the final parameters."""
+def ddp_training(rank, world, port, aggregator, use_hook, steps, device="cpu"):
+    """A few DDP steps of a small embedding model on `device`; returns the final parameters."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -72,7 +72,7 @@ def ddp_training(rank, world, port, aggregator, use_hook, steps):
     _init_gloo(rank, world, port)
     torch.set_num_threads(1)
     hybrid = isinstance(use_hook, str) and use_hook.startswith("hybrid")
-    model = DDP(_model(0), bucket_cap_mb=0.05)
+    model = DDP(_model(0).to(device), bucket_cap_mb=0.05)
     worker = state = None
     if use_hook:
         worker = zerosum.Worker(rank, world, [aggregator])
@@ -87,15 +87,15 @@ def ddp_training(rank, world, port, aggregator, use_hook, steps):
     g = torch.Generator().manual_seed(100 + rank)
     losses, digests = [], []
     for _ in range(steps):
-        idx = torch.randint(0, 5000, (32, 4), generator=g)
-        y = torch.randn(32, 1, generator=g)
+        idx = torch.randint(0, 5000, (32, 4), generator=g).to(device)
+        y = torch.randn(32, 1, generator=g).to(device)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(idx), y)
         loss.backward()
         opt.step()
         losses.append(float(loss))
-        digests.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
-    params = [p.detach().numpy().copy() for p in model.parameters()]
+        digests.append(_digest(model))
+    params = _params(model)
     report = None
     if state is not None:
         state.close()
@@ -105,6 +105,14 @@ def ddp_training(rank, world, port, aggregator, use_hook, steps):
     if hybrid:
         return params, losses, digests, report
     return params, losses
+
+
+def _params(model):
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
+
+
+def _digest(model):
+    return hashlib.sha256(b"".join(p.tobytes() for p in _params(model))).hexdigest()
 
 
 def backend_collectives(rank, world, port, env):
@@ -215,7 +223,7 @@ def ddp_tracked(rank, world, port, aggregator, steps, settings):
     from zerosum.compression import TrackedTopKBlocks
     _init_gloo(rank, world, port)
     torch.set_num_threads(1)
-    model = DDP(_model(0), bucket_cap_mb=0.05)
+    model = DDP(_model(0).to(device), bucket_cap_mb=0.05)
     worker = zerosum.Worker(rank, world, [aggregator])
     worker.open()
     compressor = TrackedTopKBlocks(**settings)
@@ -486,7 +494,7 @@ class _Branchy:
         return Net()
 
 
-def ddp_on_backend(rank, world, port, backend, mode, steps):
+def ddp_on_backend(rank, world, port, backend, mode, steps, device="cpu"):
     """DistributedDataParallel on a process group of `backend` ("zerosum" or "gloo"), in one of the
     modes: plain, find_unused_parameters, static_graph, no_sync (gradient accumulation over two
     micro-batches) or join (uneven inputs: rank r has r more batches, under torch's Join). Returns the
@@ -498,18 +506,18 @@ def ddp_on_backend(rank, world, port, backend, mode, steps):
     import zerosum.torch  # noqa: F401  (registers the backend)
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = DDP(_Branchy.build(0), find_unused_parameters=mode == "find_unused_parameters",
+    model = DDP(_Branchy.build(0).to(device), find_unused_parameters=mode == "find_unused_parameters",
                 static_graph=mode == "static_graph", bucket_cap_mb=0.001)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
 
     def step(i):
-        x, y = torch.randn(16, 20, generator=g), torch.randn(16, 1, generator=g)
+        x, y = torch.randn(16, 20, generator=g).to(device), torch.randn(16, 1, generator=g).to(device)
         use_extra = mode != "find_unused_parameters" or i % 2 == 0
         opt.zero_grad()
         if mode == "no_sync":
-            x2, y2 = torch.randn(16, 20, generator=g), torch.randn(16, 1, generator=g)
+            x2, y2 = torch.randn(16, 20, generator=g).to(device), torch.randn(16, 1, generator=g).to(device)
             with model.no_sync():
                 torch.nn.functional.mse_loss(model(x2), y2).backward()
         loss = torch.nn.functional.mse_loss(model(x, use_extra), y)
@@ -524,7 +532,7 @@ def ddp_on_backend(rank, world, port, backend, mode, steps):
     else:
         for i in range(steps):
             step(i)
-    params = [p.detach().numpy().copy() for p in model.parameters()]
+    params = _params(model)
     pg = dist.distributed_c10d._get_default_group()
     sent = pg.worker.stats.bytes_sent if backend == "zerosum" else 0     # the buckets went through ZeroSum
     dist.destroy_process_group()
@@ -581,7 +589,7 @@ def backend_paths(rank, world, port, calls):
     return sums, report
 
 
-def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid, standby=None):
+def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid, standby=None, device="cpu"):
     """DDP with the hybrid hook, ZeroSum preferred for every bucket; rank 0 SIGKILLs the aggregator in the
     middle of step `kill_at` (the test restarts it); training goes on until `after` steps past the ranks'
     return to ZeroSum (at most 3000 steps). Returns per-step losses and parameter digests, step times,
@@ -596,7 +604,7 @@ def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid,
     import zerosum.torch as zt
     _init_gloo(rank, world, port)
     torch.set_num_threads(1)
-    model = DDP(_model(0), bucket_cap_mb=0.05)
+    model = DDP(_model(0).to(device), bucket_cap_mb=0.05)
     worker = zerosum.Worker(rank, world, [aggregator])
     worker.open()
     state = zt.register(model, worker, paths="auto", standby=standby and [standby])
@@ -610,8 +618,8 @@ def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid,
             back = step                 # agreed: the same step on every rank
         if back is not None and step >= back + after:
             break
-        idx = torch.randint(0, 5000, (32, 4), generator=g)
-        y = torch.randn(32, 1, generator=g)
+        idx = torch.randint(0, 5000, (32, 4), generator=g).to(device)
+        y = torch.randn(32, 1, generator=g).to(device)
         opt.zero_grad()
         start = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(idx), y)
@@ -621,8 +629,8 @@ def ddp_surviving(rank, world, port, aggregator, after, kill_at, aggregator_pid,
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
-        digests.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
-    params = [p.detach().numpy().copy() for p in model.parameters()]
+        digests.append(_digest(model))
+    params = _params(model)
     state.close()
     report = {"failover": state.failover.report(), "paths": state.paths.report()["paths"], "back": back}
     worker.close()
