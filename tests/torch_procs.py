@@ -223,7 +223,7 @@ def ddp_tracked(rank, world, port, aggregator, steps, settings):
     from zerosum.compression import TrackedTopKBlocks
     _init_gloo(rank, world, port)
     torch.set_num_threads(1)
-    model = DDP(_model(0).to(device), bucket_cap_mb=0.05)
+    model = DDP(_model(0), bucket_cap_mb=0.05)
     worker = zerosum.Worker(rank, world, [aggregator])
     worker.open()
     compressor = TrackedTopKBlocks(**settings)
@@ -244,7 +244,7 @@ def ddp_tracked(rank, world, port, aggregator, steps, settings):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(idx), y).backward()
             opt.step()
-            digests.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
+            digests.append(_digest(model))
     finally:
         state.close()
         worker.close()
