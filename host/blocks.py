@@ -168,19 +168,22 @@ class DenseResult:
 
 class CollectedBlocks:
     """A result sink that keeps the summed blocks as they arrive (for sparse results and the device
-    path): rows are appended to a buffer that grows as needed."""
+    path): rows are appended to a buffer that grows as needed. `allocate(values, dtype)` gives that
+    buffer (the kernel writes every row whole before it is read, so it need not be zeroed): the device
+    path passes host memory it keeps between allreduces, with a capacity that never grows."""
     collect = True
 
-    def __init__(self, dtype, block_size: int, capacity: int = 64):
+    def __init__(self, dtype, block_size: int, capacity: int = 64, allocate=np.zeros):
         self.dtype = np.dtype(dtype)
         self.block_size = block_size
+        self._allocate = allocate
         # the kernel's counters: duplicates, rows used, columns done, blocks of the sum with data, and the
         # congestion controller's samples of the last datagram (kernels.apply_datagram)
         self.count = np.zeros(kernels.N_COUNTS, np.int64)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
-        flat = np.zeros(capacity * self.block_size, self.dtype)
+        flat = self._allocate(capacity * self.block_size, self.dtype)
         blocks = np.zeros(capacity, np.int64)
         if hasattr(self, "flat"):
             used = int(self.count[1])
@@ -193,10 +196,13 @@ class CollectedBlocks:
         if self.count[1] + rows > self.capacity:
             self._grow(max(2 * self.capacity, int(self.count[1]) + rows))
 
-    def collected(self) -> tuple[np.ndarray, np.ndarray]:
-        """(block indices, rows) of the sums received, sorted by block."""
+    def collected(self, sort: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(block indices, rows) of the sums received: sorted by block (copies), or in arrival order
+        (views of the buffer: the device path scatters them by index, in any order)."""
         used = int(self.count[1])
         blocks = self.blocks[:used]
         rows = self.flat[: used * self.block_size].reshape(used, self.block_size)
+        if not sort:
+            return blocks, rows
         order = np.argsort(blocks, kind="stable")
         return blocks[order], rows[order]

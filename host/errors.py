@@ -22,8 +22,10 @@ class AggregatorSilent(ZeroSumTimeout):
     it (docs/protocol.md, R-L7): it is dead, restarted or unreachable, not merely waiting for a slower
     rank (that it would say, answering probes with STATUS). `received` is a bool per block of the
     allreduce's tensor: True where the output already holds the final sum (R-L7: those blocks are final
-    on this rank; everywhere else the output still holds this rank's input), or None."""
+    on this rank; everywhere else the output still holds this rank's input), or None. `collected`: for
+    block-sparse results (Worker.allreduce_blocks, device tensors), the (blocks, rows) summed so far."""
 
     def __init__(self, message: str, received=None):
         super().__init__(message)
         self.received = received
+        self.collected = None

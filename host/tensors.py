@@ -4,6 +4,12 @@ host memory, where the compiled kernels quantise them as they are packed (the ag
 block is only known while its column streams, so quantising on the device would cost a device round
 trip per datagram); the sums are scattered back on the device. Sparse COO tensors are turned into
 block-sparse input directly from their indices and values.
+
+The blocks cross between device and host through a Staging the worker keeps: host memory reused from one
+allreduce to the next, page-locked for CUDA tensors. A fresh host array per allreduce costs a page fault
+per 4 KiB when it is first written, and a copy from pageable memory runs through the driver's own bounce
+buffer: on an H100 with 4 ranks on one card that made a dense 100 MB allreduce 1.7x slower than
+the same data from host memory.
 """
 from __future__ import annotations
 
@@ -26,9 +32,32 @@ def check_dtype(t) -> None:
         raise TypeError(f"allreduce supports float32 and int32 tensors, not {t.dtype}")
 
 
-def gather_nonzero(t, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+class Staging:
+    """Host buffers kept between allreduces, one per role ("in": the blocks sent, "out": the sums
+    received), each grown to the largest asked for and never shrunk; page-locked (pinned) for tensors on
+    a CUDA device, so that copies to and from it run as DMA."""
+
+    def __init__(self):
+        self._buffers = {}      # (role, pinned) -> torch uint8 tensor
+
+    def array(self, role: str, values: int, dtype, pinned: bool) -> np.ndarray:
+        """The first `values` elements of `dtype` of the role's buffer (contents undefined; an array
+        asked for again while a larger one is in use keeps the same start, so that CollectedBlocks'
+        copy on growth copies data onto itself)."""
+        import torch
+        dtype = np.dtype(dtype)
+        nbytes = max(1, values * dtype.itemsize)
+        buf = self._buffers.get((role, pinned))
+        if buf is None or buf.numel() < nbytes:
+            # room to grow by half again: a bucket a little larger than the last does not reallocate
+            buf = torch.empty(nbytes + nbytes // 2, dtype=torch.uint8, pin_memory=pinned)
+            self._buffers[(role, pinned)] = buf
+        return buf.numpy()[:nbytes].view(dtype)[:values]
+
+
+def gather_nonzero(t, block_size: int, staging: Staging | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Detect and gather the non-zero blocks of `t` on its device; return (sorted block indices,
-    their rows) on the host. Raises ValueError on NaN/inf."""
+    their rows) on the host (in `staging`'s "in" buffer if given). Raises ValueError on NaN/inf."""
     import torch
     check_dtype(t)
     flat = t.detach().reshape(-1)
@@ -50,12 +79,21 @@ def gather_nonzero(t, block_size: int) -> tuple[np.ndarray, np.ndarray]:
                              f"fixed-point aggregation cannot carry them")
         live = maxabs > 0
     idx = live.nonzero().squeeze(1)
-    compact = rows.index_select(0, idx)
-    return idx.cpu().numpy().astype(np.int64), compact.cpu().numpy()
+    blocks = idx.cpu().numpy().astype(np.int64)
+    if len(blocks) == nblocks:
+        compact = rows                 # dense: no gathering copy on the device
+    else:
+        compact = rows.index_select(0, idx)
+    if staging is None:
+        return blocks, compact.cpu().numpy()
+    host = staging.array("in", compact.numel(), np.float32 if t.dtype == torch.float32 else np.int32,
+                         pinned=compact.is_cuda).reshape(len(blocks), block_size)
+    torch.from_numpy(host).copy_(compact)
+    return blocks, host
 
 
 def scatter_result(t, blocks: np.ndarray, rows: np.ndarray, block_size: int, out=None):
-    """Write summed blocks into `out` (or a new zero tensor) on t's device."""
+    """Write summed blocks (in any order) into `out` (or a new zero tensor) on t's device."""
     import torch
     n = t.numel()
     nfull = n // block_size
@@ -67,15 +105,17 @@ def scatter_result(t, blocks: np.ndarray, rows: np.ndarray, block_size: int, out
             result.zero_()
     if len(blocks) == 0:
         return result
-    src = torch.from_numpy(np.ascontiguousarray(rows)).to(t.device, non_blocking=True)
-    index = torch.from_numpy(blocks).to(t.device)
+    # a blocking copy: `rows` may be a Staging buffer that the next allreduce overwrites
+    src = torch.from_numpy(np.ascontiguousarray(rows)).to(t.device)
     whole = result.view(-1)[: nfull * block_size].view(nfull, block_size)
-    if blocks[-1] < nfull:       # blocks are sorted: none is the short last one
-        whole.index_copy_(0, index, src)
+    short = np.flatnonzero(blocks == nfull)          # the short last block, if it is among them
+    if len(short) == 0:
+        whole.index_copy_(0, torch.from_numpy(blocks).to(t.device), src)
         return result
-    whole.index_copy_(0, index[:-1], src[:-1])
+    full = np.flatnonzero(blocks != nfull)
+    whole.index_copy_(0, torch.from_numpy(blocks[full]).to(t.device), src[torch.from_numpy(full).to(t.device)])
     # the short last block: only its first n mod block_size values exist
-    result.view(-1)[nfull * block_size:] = src[-1, : n - nfull * block_size]
+    result.view(-1)[nfull * block_size:] = src[int(short[0]), : n - nfull * block_size]
     return result
 
 

@@ -13,7 +13,7 @@ from . import protocol as P
 from .aggregator_machine import new_nonce
 from . import tensors
 from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
-from .errors import ZeroSumError, ZeroSumTimeout
+from .errors import AggregatorSilent, ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
 from . import kernels as K
 from . import transport as T
@@ -150,6 +150,7 @@ class Worker:
         self._column_orders: dict[int, np.ndarray] = {}   # nblocks -> column order (balance_columns)
         self.epoch = 0
         self.gather_on_device = gather_on_device
+        self._staging = tensors.Staging()     # host memory for device tensors' blocks, kept between allreduces
         self._path = None     # what the last allreduce learnt of the path (PathEstimate) for the next one
         # (blocks of the last allreduce's sum that hold data, blocks of its tensor): the union density of
         # the ranks' non-zero blocks, the same on every rank
@@ -393,10 +394,27 @@ class Worker:
             raise ValueError(f"rows must be a (len(blocks), {self.block_size}) array, got shape {rows.shape}")
         if average and rows.dtype != np.float32:
             raise ValueError(f"average=True needs float32 data, not {rows.dtype}")
-        source = BlockSource.compact(blocks, rows, int(num_blocks))
-        sink = CollectedBlocks(rows.dtype, self.block_size, capacity=max(64, 2 * len(source.blocks)))
-        self._reduce(source, sink, average)
-        return sink.collected()
+        return self._reduce_blocks(blocks, rows, int(num_blocks), average)
+
+    def _reduce_blocks(self, blocks, rows, num_blocks: int, average: bool, staging_for=None):
+        """allreduce_blocks after its checks; with `staging_for` (a device tensor) the sums are collected
+        in this worker's Staging and returned in arrival order, as views of it."""
+        source = BlockSource.compact(blocks, rows, num_blocks)
+        capacity = max(64, min(num_blocks, 2 * len(source.blocks)))
+        if staging_for is None:
+            sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity)
+        else:
+            pinned = staging_for.is_cuda
+
+            def allocate(values, dtype):
+                return self._staging.array("out", values, dtype, pinned)
+            sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity, allocate=allocate)
+        try:
+            self._reduce(source, sink, average)
+        except AggregatorSilent as e:
+            e.collected = sink.collected(sort=staging_for is None)
+            raise
+        return sink.collected(sort=staging_for is None)
 
     def _check_open(self) -> None:
         if self.sock is None:
@@ -444,10 +462,17 @@ class Worker:
             return out if out is not None else sys.modules["torch"].from_numpy(res)
         if average and not t.is_floating_point():
             raise ValueError(f"average=True needs float32 data, not {t.dtype}")
-        blocks, rows = tensors.gather_nonzero(t, self.block_size)
+        self._check_open()
+        blocks, rows = tensors.gather_nonzero(t, self.block_size, self._staging)
         nblocks = block_count(t.numel(), self.block_size)
-        summed = self.allreduce_blocks(blocks, rows, nblocks, average=average) if nblocks else \
-            (np.zeros(0, np.int64), rows)
+        try:
+            summed = self._reduce_blocks(blocks, rows, nblocks, average, staging_for=t) if nblocks else \
+                (np.zeros(0, np.int64), rows)
+        except AggregatorSilent as e:
+            # R-L7 promises the sums received so far in the output, as the host path writes them there
+            if out is not None and e.collected is not None:
+                tensors.scatter_result(t, *e.collected, self.block_size, out)
+            raise
         return tensors.scatter_result(t, *summed, self.block_size, out)
 
     def _allreduce_sparse_tensor(self, t, average):

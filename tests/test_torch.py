@@ -59,6 +59,54 @@ def test_tensors_match_the_reference(agg, on_device, dtype):
             assert o.tobytes() == ref.tobytes()
 
 
+def test_the_device_path_reuses_its_host_memory_across_sizes_and_densities(agg):
+    """The device path's Staging is reused: growing and shrinking tensors, dense and sparse, a short last
+    block, results collected in arrival order; every result equals the reference."""
+    cases = [(300 * 256 + 5, 1.0), (40 * 256, 0.3), (900 * 256 + 17, 0.05), (900 * 256 + 17, 1.0), (7, 1.0)]
+    inputs = []
+    for k, (n, density) in enumerate(cases):
+        xs = []
+        for r in range(3):
+            g = torch.Generator().manual_seed(10 * k + r)
+            x = torch.randn(n, generator=g)
+            keep = torch.rand(-(-n // 256), generator=g) < density
+            x[~keep.repeat_interleave(256)[:n]] = 0
+            xs.append(x)
+        inputs.append(xs)
+
+    def fn(rank, w):
+        return [w.allreduce(xs[rank]).numpy() for xs in inputs]
+
+    for outs in run_threads(3, agg.address, fn, gather_on_device=True):
+        for got, xs in zip(outs, inputs):
+            assert got.tobytes() == reference_allreduce([x.numpy() for x in xs]).tobytes()
+
+
+def test_the_device_path_leaves_the_sums_received_in_the_output_when_an_aggregator_falls_silent(agg, monkeypatch):
+    """R-L7: AggregatorSilent's `received` blocks hold their final sums in the output. The device path
+    collects sums away from the tensor; on the failure it still writes those it has into `out`."""
+    from zerosum.errors import AggregatorSilent
+    w = zerosum.Worker(0, 1, [agg.address], gather_on_device=True)
+    x = torch.arange(4 * 256, dtype=torch.float32)
+
+    def reduce_then_fall_silent(source, sink, average=False):
+        sink.reserve(2)       # the sums of blocks 3 and 1 arrived, in that order, then nothing
+        for i, b in enumerate((3, 1)):
+            sink.blocks[i] = b
+            sink.flat[i * 256:(i + 1) * 256] = 1000.0 + b
+        sink.count[1] = 2
+        raise AggregatorSilent("silent", np.array([False, True, False, True]))
+    monkeypatch.setattr(w, "_reduce", reduce_then_fall_silent)
+    monkeypatch.setattr(w, "sock", object())          # open, as far as the checks go
+    t = x.clone()
+    with pytest.raises(AggregatorSilent) as e:
+        w.allreduce(t, out=t)
+    assert e.value.received.tolist() == [False, True, False, True]
+    expected = x.clone().view(4, 256)
+    expected[1], expected[3] = 1001.0, 1003.0
+    assert torch.equal(t.view(4, 256), expected)          # sums where received, the input elsewhere
+
+
 def test_tensor_errors(agg):
     def fn(rank, w):
         with pytest.raises(TypeError, match="float32 and int32"):
