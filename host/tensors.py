@@ -46,11 +46,11 @@ class Staging:
         copy on growth copies data onto itself)."""
         import torch
         dtype = np.dtype(dtype)
-        nbytes = max(1, values * dtype.itemsize)
+        nbytes = values * dtype.itemsize
         buf = self._buffers.get((role, pinned))
         if buf is None or buf.numel() < nbytes:
             # room to grow by half again: a bucket a little larger than the last does not reallocate
-            buf = torch.empty(nbytes + nbytes // 2, dtype=torch.uint8, pin_memory=pinned)
+            buf = torch.empty(max(64, nbytes + nbytes // 2), dtype=torch.uint8, pin_memory=pinned)
             self._buffers[(role, pinned)] = buf
         return buf.numpy()[:nbytes].view(dtype)[:values]
 

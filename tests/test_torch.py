@@ -60,9 +60,10 @@ def test_tensors_match_the_reference(agg, on_device, dtype):
 
 
 def test_the_device_path_reuses_its_host_memory_across_sizes_and_densities(agg):
-    """The device path's Staging is reused: growing and shrinking tensors, dense and sparse, a short last
-    block, results collected in arrival order; every result equals the reference."""
-    cases = [(300 * 256 + 5, 1.0), (40 * 256, 0.3), (900 * 256 + 17, 0.05), (900 * 256 + 17, 1.0), (7, 1.0)]
+    """The device path's Staging is reused: growing and shrinking tensors, dense, sparse and all zero, a
+    short last block, results collected in arrival order; every result equals the reference."""
+    cases = [(300 * 256 + 5, 1.0), (40 * 256, 0.3), (900 * 256 + 17, 0.05), (900 * 256 + 17, 1.0), (7, 1.0),
+             (5000, 0.0)]
     inputs = []
     for k, (n, density) in enumerate(cases):
         xs = []
