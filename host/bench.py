@@ -52,7 +52,10 @@ def _meter(w) -> dict:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     s = w.stats
     return {"cpu_s": ru.ru_utime + ru.ru_stime, "datagrams": s.datagrams_sent + s.datagrams_received,
-            "retransmitted_entries": s.retransmitted_entries, "bytes_sent": s.bytes_sent}
+            "retransmitted_entries": s.retransmitted_entries, "bytes_sent": s.bytes_sent,
+            # what resent them: probes confirming losses (R-L2) or RACK (R-C4); how many were spurious
+            "probes": s.probes, "spurious_entries": s.spurious_entries,
+            "delay_cuts": s.window_cuts[0], "loss_cuts": s.window_cuts[1]}
 
 
 def _worker(events, acks, sync, rank, world, addresses, plan, gloo_port):
@@ -289,6 +292,9 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         "wire_bytes_per_worker": statistics.mean(t.get("bytes_sent", 0) for t in timed) / rounds,
         "gloo_ring_bytes_per_worker": 2 * (world - 1) / world * plan["size"] * 4,
         "retransmitted_entries": sum(t.get("retransmitted_entries", 0) for t in timed),
+        # per rank, in the timed allreduces: the congestion window's view of them (R-L2, R-C3, R-C4)
+        "recovery": [{k: int(t.get(k, 0)) for k in ("retransmitted_entries", "spurious_entries", "probes",
+                                                     "delay_cuts", "loss_cuts")} for t in timed],
         "warmup_retransmitted_entries": sum(t.get("retransmitted_entries", 0) for t in warm),
         # Per allreduce: CPU seconds and datagrams (sent + received) of one worker process (the mean)...
         "worker_cpu_s": wcpu / world / rounds, "worker_datagrams": wdg / world / rounds,
@@ -359,6 +365,23 @@ def window_summary(results: Mapping) -> str:
             parts.append(f"{rows[0]['workers']} workers: {min(ws) / 1e3:,.0f}-{max(ws) / 1e3:,.0f} kB, "
                          f"round trip {min(rtts) * 1e3:.2f}-{max(rtts) * 1e3:.2f} ms")
     return f"{kind}: " + ("; ".join(parts) if parts else "no allreduce measured")
+
+
+def recovery_summary(results: Mapping) -> str | None:
+    """The rows that retransmitted: what the aggregators said of it (spurious: they held the entry
+    already), probes sent, and the congestion window's cuts (summed over ranks); None if none did."""
+    lines = []
+    for run in results["runs"]:
+        for r in run["rows"]:
+            ranks = r.get("recovery") or []
+            if not r.get("retransmitted_entries") or not ranks:
+                continue
+            total = {k: sum(x[k] for x in ranks) for k in ranks[0]}
+            lines.append(f"{r['workers']} workers, density {r['density']:g}: {total['retransmitted_entries']:,} "
+                         f"entries resent, {total['spurious_entries']:,} of them held already (spurious); "
+                         f"{total['probes']:,} probes; window cuts {total['delay_cuts']} for delay, "
+                         f"{total['loss_cuts']} for loss")
+    return "\n".join(lines) if lines else None
 
 
 def bench_table(results: Mapping):
@@ -480,6 +503,8 @@ def run_from_args(args) -> int:
                          if plan.get("mtu") else "; loopback")
                       + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
     console.print(window_summary(results))
+    if recovery_summary(results):
+        console.print(recovery_summary(results))
     for run in results["runs"]:
         if run.get("read_floor_s"):
             world = run["rows"][0]["workers"]
