@@ -9,23 +9,20 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 from procs import Aggregator  # noqa: E402
+from test_torch import _inputs  # noqa: E402
 from test_worker_api import run_threads  # noqa: E402
 from torch_procs import ddp_on_backend, ddp_training, spawn  # noqa: E402
 from zerosum.reference import reference_allreduce  # noqa: E402
 from zerosum.udp import free_port  # noqa: E402
 
 
-def _inputs(world, n, dtype):
-    out = []
-    for r in range(world):
-        g = torch.Generator().manual_seed(r)
-        if dtype == torch.int32:
-            x = torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g)
-        else:
-            x = torch.randn(n, generator=g) * 10.0 ** (r - 1)
-        x[r * 300: r * 300 + 700] = 0                  # zero blocks that differ between ranks
-        out.append(x)
-    return out
+def _with_aggregator(fn, world, *args):
+    """spawn(fn, world, port, aggregator address, *args) beside an aggregator of its own."""
+    agg = Aggregator(world)
+    try:
+        return spawn(fn, world, free_port(), agg.address, *args)
+    finally:
+        agg.stop()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
@@ -87,19 +84,11 @@ def test_device_errors_and_sparse_tensors():
 
 @pytest.mark.parametrize("hook", [True, "topk", "hybrid"])
 def test_ddp_hook_on_a_gpu_model_trains_like_gloo(hook):
-    agg = Aggregator(2)
-    try:
-        runs = spawn(ddp_training, 2, free_port(), agg.address, hook, 6, "cuda")
-    finally:
-        agg.stop()
+    runs = _with_aggregator(ddp_training, 2, hook, 6, "cuda")
     for a, b in zip(runs[0][0], runs[1][0]):
         assert a.tobytes() == b.tobytes()                 # identical on every rank
     if hook == "topk":          # the compressor runs on the host: the same training as the model's on the CPU
-        agg = Aggregator(2)
-        try:
-            on_cpu = spawn(ddp_training, 2, free_port(), agg.address, hook, 6, "cpu")
-        finally:
-            agg.stop()
+        on_cpu = _with_aggregator(ddp_training, 2, hook, 6, "cpu")
         for a, b in zip(runs[0][0], on_cpu[0][0]):
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
         return

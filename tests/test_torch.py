@@ -24,6 +24,8 @@ def agg():
 
 
 def _inputs(world, n, dtype=torch.float32):
+    """Per rank: random values (float32 of magnitudes 10^(r-1), or int32), with a third of them zero, from
+    another place on each rank (zero blocks that differ between ranks)."""
     out = []
     for r in range(world):
         g = torch.Generator().manual_seed(r)
@@ -31,7 +33,8 @@ def _inputs(world, n, dtype=torch.float32):
             x = torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g)
         else:
             x = torch.randn(n, generator=g) * 10.0 ** (r - 1)
-        x[: n // 3] = 0
+        start = r * n // (2 * world)
+        x[start: start + n // 3] = 0
         out.append(x)
     return out
 
