@@ -400,7 +400,9 @@ class Worker:
         """allreduce_blocks after its checks; with `staging_for` (a device tensor) the sums are collected
         in this worker's Staging and returned in arrival order, as views of it."""
         source = BlockSource.compact(blocks, rows, num_blocks)
-        capacity = max(64, min(num_blocks, 2 * len(source.blocks)))
+        # room for the union (at most every block) and what the driver reserves ahead of a batch, so
+        # that a dense result is not copied into a larger buffer near its end
+        capacity = max(64, min(2 * len(source.blocks), num_blocks + T.RX_BATCH * self._rows_per_buffer(self.block_size)))
         if staging_for is None:
             sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity)
         else:
@@ -532,7 +534,7 @@ class Worker:
         room = 0
         while True:
             if m.output.collect:
-                m.grow(T.RX_BATCH * self._rows_per_buffer(m))
+                m.grow(T.RX_BATCH * self._rows_per_buffer(m.B))
                 room = m.output.capacity
             outcome, n, i, off = K.drive(fd, self._group.fileno() if self._group is not None else -1, rx, tx,
                                          m.st, keys, self.loss.rate, room, n, i, off)
@@ -547,8 +549,9 @@ class Worker:
                 self._send_all(m.poll(now))   # retransmissions (rare: Python's sends will do)
 
     @staticmethod
-    def _rows_per_buffer(m: AllreduceMachine) -> int:
-        return T.RX_CAPACITY // (4 * m.B) + 1
+    def _rows_per_buffer(block_size: int) -> int:
+        """Result rows one receive buffer can hold, at most."""
+        return T.RX_CAPACITY // (4 * block_size) + 1
 
     def _run_python(self, m: AllreduceMachine) -> None:
         """The sans-IO interface over Python's socket module: read everything queued (up to FLUSH_EVERY
