@@ -699,6 +699,13 @@ def test_the_shaped_link_experiment_runs_and_reports(tmp_path):
     E.write_doc({"single": {"rows": rows}}, tmp_path / "c.md", "cmd")
     text = (tmp_path / "c.md").read_text()
     assert "| 50mbit | 1500 | auto |" in text and "automatic window takes 0.50x the time" in text
+    assert "Held out" not in text
+    held = {"rate": "50mbit", "mtu": 1500, "best": "fixed 1x", "auto_times_s": [0.2, 0.3, 0.25],
+            "best_times_s": [0.2, 0.2, 0.21], "auto_s": 0.25, "best_s": 0.2}
+    E.write_doc({"single": {"rows": rows, "holdout": [held]}}, tmp_path / "c.md", "cmd")
+    text = (tmp_path / "c.md").read_text()
+    assert "| 50mbit | 1500 | fixed 1x | 0.2500 | 0.2000, 0.3000, 0.2500 | 0.2000 | 0.2000, 0.2000, 0.2100 | 1.25x |" \
+        in text
     assert E.jain([1, 1, 1]) == 1.0 and E.jain([1, 0]) == 0.5
 
 
