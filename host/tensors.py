@@ -50,7 +50,11 @@ class Staging:
         buf = self._buffers.get((role, pinned))
         if buf is None or buf.numel() < nbytes:
             # room to grow by half again: a bucket a little larger than the last does not reallocate
-            buf = torch.empty(max(64, nbytes + nbytes // 2), dtype=torch.uint8, pin_memory=pinned)
+            size = max(64, nbytes + nbytes // 2)
+            try:
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            except RuntimeError:     # no page-locked memory left: pageable is slower, not wrong
+                buf = torch.empty(size, dtype=torch.uint8)
             self._buffers[(role, pinned)] = buf
         return buf.numpy()[:nbytes].view(dtype)[:values]
 
@@ -123,7 +127,6 @@ def sparse_to_blocks(t, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
     """A sparse COO tensor (any sparse/dense split, e.g. nn.Embedding(sparse=True)'s gradient) as
     block-sparse input: (sorted block indices, their rows, number of blocks of the dense tensor).
     Work and memory follow the stored values, not the tensor's size."""
-    import torch
     check_dtype(t)
     c = t.detach().coalesce().cpu()
     indices = c.indices().numpy()

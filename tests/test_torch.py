@@ -86,6 +86,25 @@ def test_the_device_path_reuses_its_host_memory_across_sizes_and_densities(agg):
             assert got.tobytes() == reference_allreduce([x.numpy() for x in xs]).tobytes()
 
 
+def test_staging_reuses_its_buffer_and_falls_back_to_pageable_memory(monkeypatch):
+    from zerosum.tensors import Staging
+    st = Staging()
+    a = st.array("in", 1000, np.float32, pinned=False)
+    b = st.array("in", 800, np.int32, pinned=False)               # smaller: the same memory, from its start
+    assert a.shape == (1000,) and b.shape == (800,) and a.ctypes.data == b.ctypes.data
+    assert st.array("out", 0, np.float32, pinned=False).shape == (0,)
+    real = torch.empty
+
+    def no_pinned(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("cannot allocate page-locked memory")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", no_pinned)
+    c = st.array("in", 5000, np.float32, pinned=True)              # pageable then, still a working buffer
+    c[:] = 1.5
+    assert c.shape == (5000,) and float(c.sum()) == 7500.0
+
+
 def test_the_device_path_leaves_the_sums_received_in_the_output_when_an_aggregator_falls_silent(agg, monkeypatch):
     """R-L7: AggregatorSilent's `received` blocks hold their final sums in the output. The device path
     collects sums away from the tensor; on the failure it still writes those it has into `out`."""
