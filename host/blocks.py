@@ -170,7 +170,8 @@ class CollectedBlocks:
     """A result sink that keeps the summed blocks as they arrive (for sparse results and the device
     path): rows are appended to a buffer that grows as needed. `allocate(values, dtype)` gives that
     buffer (the kernel writes every row whole before it is read, so it need not be zeroed): the device
-    path passes host memory it keeps between allreduces, with a capacity that never grows."""
+    path passes host memory it keeps between allreduces (tensors.Staging), which hands out the same start
+    again, so that a growth copies the rows onto themselves."""
     collect = True
 
     def __init__(self, dtype, block_size: int, capacity: int = 64, allocate=np.zeros):

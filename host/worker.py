@@ -402,7 +402,8 @@ class Worker:
         source = BlockSource.compact(blocks, rows, num_blocks)
         # room for the union (at most every block) and what the driver reserves ahead of a batch, so
         # that a dense result is not copied into a larger buffer near its end
-        capacity = max(64, min(2 * len(source.blocks), num_blocks + T.RX_BATCH * self._rows_per_buffer(self.block_size)))
+        reserve = T.RX_BATCH * self._rows_per_buffer(self.block_size)
+        capacity = max(64, min(2 * len(source.blocks), num_blocks + reserve))
         if staging_for is None:
             sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity)
         else:
