@@ -164,6 +164,11 @@ def median_time(job) -> float:
     return statistics.median(dt for _, dt in job["log"])
 
 
+def best_fixed(rows) -> dict:
+    """The fixed-window row with the least median time: the best hand-tuned window of a sweep."""
+    return min((r for r in rows if r["window"].startswith("fixed")), key=lambda r: r["time_s"])
+
+
 # -- the four experiments ------------------------------------------------------------------------------
 
 def single(args) -> dict:
@@ -174,6 +179,7 @@ def single(args) -> dict:
             bdp = int(bps * (0.001 + 0.010))        # ~1 ms of path and 10 ms of queue
             variants = [("auto", "auto", True), ("none", None, True)]
             variants += [(f"fixed {f:g}x", max(2000, int(bdp * f)), False) for f in (0.25, 0.5, 1, 2, 4)]
+
             def one(window, congestion):
                 return run_jobs([4], worker_rate=rate, aggregator_rate=f"{4 * _bits(rate)}bit", mtu=mtu,
                                 size=args.size, rounds=args.rounds, window=window, congestion=congestion)
@@ -196,8 +202,7 @@ def single(args) -> dict:
                 # The best of five noisy medians is biased low (it is chosen for being fast in these runs).
                 # A user who tuned by hand would run the window chosen so in new runs: measure that one and
                 # auto again, alternating, in runs of their own.
-                fixed = [r for r in rows if (r["rate"], r["mtu"]) == (rate, mtu) and r["window"].startswith("fixed")]
-                best = min(fixed, key=lambda r: r["time_s"])
+                best = best_fixed(r for r in rows if (r["rate"], r["mtu"]) == (rate, mtu))
                 window = dict((label, w) for label, w, _ in variants)[best["window"]]
                 times = {"auto": [], "best": []}
                 for _ in range(args.holdout):
@@ -286,7 +291,7 @@ def write_doc(results: dict, path: Path, command: str) -> None:
         for rate, mtu in sorted({(r["rate"], r["mtu"]) for r in results["single"]["rows"]}):
             rows = [r for r in results["single"]["rows"] if (r["rate"], r["mtu"]) == (rate, mtu)]
             auto = next(r for r in rows if r["window"] == "auto")
-            best = min((r for r in rows if r["window"].startswith("fixed")), key=lambda r: r["time_s"])
+            best = best_fixed(rows)
             lines.append(f"\n{rate}, MTU {mtu}: the automatic window takes {auto['time_s'] / best['time_s']:.2f}x "
                          f"the time of the best fixed window ({best['window']}).")
         held = results["single"].get("holdout") or []

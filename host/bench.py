@@ -503,8 +503,9 @@ def run_from_args(args) -> int:
                          if plan.get("mtu") else "; loopback")
                       + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
     console.print(window_summary(results))
-    if recovery_summary(results):
-        console.print(recovery_summary(results))
+    recovery = recovery_summary(results)
+    if recovery:
+        console.print(recovery)
     for run in results["runs"]:
         if run.get("read_floor_s"):
             world = run["rows"][0]["workers"]
