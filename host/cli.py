@@ -258,16 +258,21 @@ def _aggregator(args) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     host, port = server.address
+    snapshots = None
     if args.announce:
-        from .local import ANNOUNCE, snapshot_on_signal
-        snapshot_on_signal(server)
+        from .local import ANNOUNCE, SnapshotOnSignal
+        snapshots = SnapshotOnSignal(server)
         print(ANNOUNCE, f"{host}:{port}", flush=True)
     logging.getLogger("zerosum.aggregator").info(
         "serving up to %d jobs on %s:%d from %d slots (at most %d per job)%s", args.max_jobs, host, port,
         server.service.slots, server.service.max_job_slots,
         f"; job {args.job} declared with {args.workers} workers" if args.workers else "")
     try:
-        server.serve(stop=lambda: bool(stopping), stats_interval=args.stats, idle_exit=args.idle_exit)
+        def stop() -> bool:
+            if snapshots is not None:
+                snapshots.answer()      # between batches: no job half-ended (SnapshotOnSignal)
+            return bool(stopping)
+        server.serve(stop=stop, stats_interval=args.stats, idle_exit=args.idle_exit)
     except KeyboardInterrupt:
         pass
     finally:

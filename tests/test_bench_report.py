@@ -3,6 +3,7 @@ totals), the plot's ratio ticks, and one small real run that writes every new fi
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from rich.console import Console
 
 from zerosum.bench import (COLUMNS, bench_table, counter_delta, plot, ratio_axis, ratio_label, recovery_summary,
                            summarize_row, tick_label, window_total)
-from zerosum.local import LocalAggregator
+from zerosum.local import SNAPSHOT, LocalAggregator, SnapshotOnSignal
 
 PLAN = {"densities": [1.0, 0.01], "size": 26_214_400, "block_size": 256, "rounds": 2, "warmup": 1,
         "baseline": True, "verify": True, "loss": 0.0, "slots": 2048}
@@ -162,6 +163,29 @@ def test_a_local_aggregator_reports_its_counters_and_cpu_while_running():
     finally:
         counters = agg.stop()
     assert counters["max_rss_bytes"] > 0
+
+
+def test_a_snapshot_is_asked_by_the_signal_and_printed_between_batches_only(capsys):
+    """The handler only notes the request: run between two bytecodes of the service ending a job, a
+    snapshot printed from the handler missed that job's counters (SnapshotOnSignal)."""
+    class Server:
+        class machine:
+            counters = {"rounds": 7}
+        datagrams_sent = 3
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        snapshots = SnapshotOnSignal(Server)
+        snapshots.answer()
+        assert capsys.readouterr().out == ""                    # not asked: nothing
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert capsys.readouterr().out == ""                    # asked: nothing printed by the handler
+        snapshots.answer()
+        tag, body = capsys.readouterr().out.split(" ", 1)
+        assert tag == SNAPSHOT and json.loads(body)["rounds"] == 7 and json.loads(body)["datagrams_sent"] == 3
+        snapshots.answer()
+        assert capsys.readouterr().out == ""                    # answered once per request
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_a_small_bench_reports_per_row_cpu_and_retransmissions(tmp_path):
