@@ -140,7 +140,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                     events.put(("step", rank))
             events.put(("result", rank, row,
                         {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest,
-                         "window_bytes": w.stats.window, "srtt_s": w.stats.srtt,
+                         "window_bytes": w.stats.window, "srtt_s": w.stats.srtt, "host_wait_s": w.stats.host_wait,
                          "window": w.config.window}))
     if dist is not None:
         dist.destroy_process_group()
@@ -305,6 +305,7 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         # where each worker's window and round trip settled (after the row's last allreduce)
         "window_bytes": [r.get("window_bytes") for r in results],
         "srtt_s": [r.get("srtt_s") for r in results],
+        "host_wait_s": [r.get("host_wait_s") for r in results],    # longest read delay so far (R-C4)
         "window": results[0].get("window", plan.get("window")) if results else None,   # what "auto" became
     }
 
@@ -361,9 +362,11 @@ def window_summary(results: Mapping) -> str:
         rows = run["rows"]
         ws = [w for r in rows for w in r.get("window_bytes") or [] if w]
         rtts = [t for r in rows for t in r.get("srtt_s") or [] if t is not None]
+        waits = [t for r in rows for t in r.get("host_wait_s") or [] if t is not None]
         if ws and rtts:
             parts.append(f"{rows[0]['workers']} workers: {min(ws) / 1e3:,.0f}-{max(ws) / 1e3:,.0f} kB, "
-                         f"round trip {min(rtts) * 1e3:.2f}-{max(rtts) * 1e3:.2f} ms")
+                         f"round trip {min(rtts) * 1e3:.2f}-{max(rtts) * 1e3:.2f} ms"
+                         + (f", results read up to {max(waits) * 1e3:.1f} ms after they arrived" if waits else ""))
     return f"{kind}: " + ("; ".join(parts) if parts else "no allreduce measured")
 
 

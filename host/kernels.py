@@ -523,7 +523,8 @@ class WorkerState(NamedTuple):
 (F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
  F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
- F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM) = range(31)
+ F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
+ F_HOST_WAIT_AT) = range(33)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
@@ -540,7 +541,9 @@ N_COUNTS = 9    # WorkerState.counts (apply_datagram says what each holds)
 # F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
 # F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
 # (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
-# F_RACK_FROM: loss detection judges only rounds sent since (R-C8);
+# F_RACK_FROM: loss detection judges only rounds sent since (R-C8); F_HOST_WAIT: the longest a datagram
+# waited in this worker's socket before it was read, fading by half every HOST_WAIT_HALF_LIFE, as of
+# F_HOST_WAIT_AT (R-C4);
 # I_COMPETITIVE: drains that must find the queue empty before delay counts again (0: delay counts; R-C8);
 # I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT (R-C4)
 # what a worker drops, by name (AllreduceMachine.drops)
@@ -594,6 +597,7 @@ DRAIN_MAX = 0.2         # R-C8: and at most this long (BBR's ProbeRTT: 200 ms)
 DRAIN_WINDOW = 2        # R-C8: entries in flight while draining (BBR's ProbeRTT: 4 packets)
 COMPETITIVE_DRAINS = 2  # R-C8: drains in a row that find the queue empty before delay counts again
 COMPETITIVE_CUT = 0.5   # R-C8: the loss cut beside a flow that does not yield (Reno's, RFC 5681)
+HOST_WAIT_HALF_LIFE = 1.0   # R-C4: the host's longest wait counts half after this many seconds
 
 
 @njit(**JIT)
@@ -691,17 +695,34 @@ def on_rounds(st, acked, rtt, now, sent):
     set_window(st)
 
 
+@njit(inline="always", **JIT)
+def host_wait(st, now):
+    """R-C4: the longest a datagram waited in this worker's socket before it was read (its arrival stamp
+    against the time of reading), halved for every HOST_WAIT_HALF_LIFE since."""
+    return st.f[F_HOST_WAIT] * 0.5 ** ((now - st.f[F_HOST_WAIT_AT]) / HOST_WAIT_HALF_LIFE)
+
+
+@njit(inline="always", **JIT)
+def note_host_wait(st, wait, now):
+    """R-C4: a datagram read `wait` seconds after it arrived (this worker was behind, or waited for a
+    core: so, likely, do the ranks that share its cores, and every round waits for the latest)."""
+    if wait > host_wait(st, now):
+        st.f[F_HOST_WAIT] = wait
+        st.f[F_HOST_WAIT_AT] = now
+
+
 @njit(**JIT)
 def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
-    reordering window (a quarter of the least round trip, and at least the delay target) before one whose
-    result has arrived, and still without its own, is taken as lost. Rounds do not overtake each other on
-    a path, but a round also waits for every other rank's entry, and ranks on shared cores send their
-    entries milliseconds apart: the window must cover that skew, or every late rank looks like a loss."""
+    reordering window (a quarter of the least round trip, at least the delay target and this host's
+    longest recent wait) before one whose result has arrived, and still without its own, is taken as
+    lost. Rounds do not overtake each other on a path, but a round also waits for every other rank's
+    entry, and ranks on shared cores send their entries milliseconds apart: the window must cover that
+    skew, or every late rank looks like a loss."""
     f = st.f
     if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
-    before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET]) * st.i[I_REO_MULT]
+    before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
     # R-C8: a round sent before the last drain began, or before a DRAIN_TIME after it ended, may wait for
     # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
     since = f[F_RACK_FROM]
@@ -1095,6 +1116,8 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
             for k in range(A):
                 if keys[k] == source:
                     a = k
+            arrived = min(rx.arrived[i], now)
+            note_host_wait(st, now - arrived, now)
             while off < length:
                 size = min(seg, length - off)
                 if st.i[I_COLLECT] and st.counts[1] + size // (4 * st.hdr[5]) > room:
@@ -1107,7 +1130,9 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                 if a < 0:
                     st.drops[D_UNKNOWN_SOURCE] += 1
                     continue
-                code = receive_one(st, rx.buf[i, off - seg: off - seg + size], size, a, now,
+                # the kernel's arrival time: round trips leave out this worker's own wait (R-C3), which
+                # sets the reordering window's floor instead (R-C4)
+                code = receive_one(st, rx.buf[i, off - seg: off - seg + size], size, a, arrived,
                                    (rx.tos[i] & ECN_MASK) == CE)
                 if code > 0:
                     st.i[I_EVENT_AGG] = a

@@ -43,12 +43,14 @@ JIT = dict(cache=True, nogil=True)
 RX_BATCH = 64          # datagrams (or GRO buffers) per recvmmsg
 TX_BATCH = 256         # messages per sendmmsg (each may be a GSO run of datagrams)
 RX_CAPACITY = 65536    # bytes per receive buffer: a datagram, or a GRO buffer of several
-RX_CTRL_WORDS = 8      # 64 bytes of control messages per buffer: UDP_GRO's and IP_TOS's, 24 bytes each
+RX_CTRL_WORDS = 12     # 96 bytes of control messages per buffer: UDP_GRO's and IP_TOS's (24 bytes each),
+#                        SO_TIMESTAMPNS's (32)
 GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of Linux 4.18..6.x
 GSO_MAX_BYTES = 65507  # a GSO message is one UDP payload before it is cut
 
 SOL_IP, IP_TOS, IP_RECVTOS = 0, 1, 13    # Linux's (the control messages the kernels parse)
 SOL_UDP = 17
+SOL_SOCKET, SO_TIMESTAMPNS = 1, 35   # (SCM_TIMESTAMPNS is SO_TIMESTAMPNS)
 UDP_SEGMENT = 103
 UDP_GRO = 104
 IP_MTU = 14
@@ -65,7 +67,7 @@ _sendmmsg = types.ExternalFunction("sendmmsg", types.intc(types.intc, types.uint
 _poll = types.ExternalFunction("poll", types.intc(types.uintp, types.uint64, types.intc))
 _errno_location = types.ExternalFunction("__errno_location", types.uintp())
 _clock_gettime = types.ExternalFunction("clock_gettime", types.intc(types.intc, types.uintp))
-CLOCK_MONOTONIC = 1
+CLOCK_REALTIME, CLOCK_MONOTONIC = 0, 1
 
 
 @intrinsic
@@ -119,6 +121,8 @@ class RxBatch(NamedTuple):
     source: np.ndarray    # int64 [RX_BATCH]: the sender, ip << 16 | port
     seg: np.ndarray       # int64 [RX_BATCH]: GRO segment size, or the length when not coalesced
     tos: np.ndarray       # int64 [RX_BATCH]: the IPv4 TOS byte (0 where the kernel did not say)
+    arrived: np.ndarray   # float64 [RX_BATCH]: when the kernel received it, on monotonic()'s clock (the
+    #                       receive call's time where the kernel did not say: SO_TIMESTAMPNS)
     pollfd: np.ndarray    # int32 [4]: two struct pollfd
     clock: np.ndarray     # int64 [2]: struct timespec
 
@@ -141,7 +145,7 @@ QUEUED, GSO_ON, SEND_ERRORS, MESSAGES, DATAGRAMS, GSO_FALLBACKS = range(6)
 @njit(**JIT)
 def raw_rx(rx):
     return RxBatch(raw(rx.buf), raw(rx.hdrs), raw(rx.names), raw(rx.ctrl), raw(rx.length), raw(rx.source),
-                   raw(rx.seg), raw(rx.tos), raw(rx.pollfd), raw(rx.clock))
+                   raw(rx.seg), raw(rx.tos), raw(rx.arrived), raw(rx.pollfd), raw(rx.clock))
 
 
 @njit(**JIT)
@@ -154,7 +158,8 @@ def rx_batch() -> RxBatch:
     rx = RxBatch(np.zeros((RX_BATCH, RX_CAPACITY), np.uint8), np.zeros((RX_BATCH, 8), np.uint64),
                  np.zeros((RX_BATCH, 16), np.uint8), np.zeros((RX_BATCH, RX_CTRL_WORDS), np.uint64),
                  np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.int64),
-                 np.zeros(RX_BATCH, np.int64), np.zeros(4, np.int32), np.zeros(2, np.int64))
+                 np.zeros(RX_BATCH, np.int64), np.zeros(RX_BATCH, np.float64), np.zeros(4, np.int32),
+                 np.zeros(2, np.int64))
     iov = np.zeros((RX_BATCH, 2), np.uint64)
     for i in range(RX_BATCH):
         iov[i] = (rx.buf[i].ctypes.data, RX_CAPACITY)
@@ -221,6 +226,12 @@ def receive2(fd, fd2, rx, timeout_ms):
     got = max(0, _recvmmsg(fd, rx.hdrs.ctypes.data, n, MSG_DONTWAIT, 0))
     if fd2 >= 0 and got < n:
         got += max(0, _recvmmsg(fd2, rx.hdrs.ctypes.data + got * 64, n - got, MSG_DONTWAIT, 0))
+    # the kernel stamps arrivals on the wall clock (SO_TIMESTAMPNS); this call's two clocks convert them
+    now = to_monotonic = 0.0
+    if got > 0:
+        now = monotonic(rx.clock)
+        _clock_gettime(CLOCK_REALTIME, rx.clock.ctypes.data)
+        to_monotonic = now - (np.float64(rx.clock[0]) + np.float64(rx.clock[1]) * 1e-9)
     for i in range(got):
         # (rows indexed in place throughout: a row view costs atomic reference count updates)
         length = np.int64(rx.hdrs[i, 7] & np.uint64(0xFFFFFFFF))    # msg_len
@@ -230,18 +241,22 @@ def receive2(fd, fd2, rx, timeout_ms):
         ip = ((np.int64(nm[i, 4]) << 24) | (np.int64(nm[i, 5]) << 16) | (np.int64(nm[i, 6]) << 8)
               | np.int64(nm[i, 7]))
         rx.source[i] = (ip << 16) | port
-        seg, tos = _control_messages(rx.ctrl, i, np.int64(rx.hdrs[i, 5]), length)
+        seg, tos, stamp = _control_messages(rx.ctrl, i, np.int64(rx.hdrs[i, 5]), length)
         rx.seg[i] = seg if seg > 0 else 1
         rx.tos[i] = tos
+        # (never after this call: the wall clock may have been stepped since)
+        rx.arrived[i] = min(now, stamp + to_monotonic) if stamp > 0.0 else now
     return got
 
 
 @njit(inline="always", **JIT)
 def _control_messages(c, i, size, length):
-    """(GRO segment size, or `length`; TOS byte, or 0) from the `size` bytes of control messages of
-    buffer i: struct cmsghdr {size_t len; int level; int type;} and its data, each 8-byte aligned."""
+    """(GRO segment size, or `length`; TOS byte, or 0; arrival on the wall clock in seconds, or 0) from the
+    `size` bytes of control messages of buffer i: struct cmsghdr {size_t len; int level; int type;} and
+    its data, each 8-byte aligned."""
     seg = length
     tos = np.int64(0)
+    stamp = 0.0
     at = 0
     while at + 16 <= size and at // 8 + 2 < c.shape[1]:
         w = at // 8
@@ -256,8 +271,10 @@ def _control_messages(c, i, size, length):
                 seg = s
         elif level == SOL_IP and kind == IP_TOS:
             tos = np.int64(c[i, w + 2] & np.uint64(0xFF))
+        elif level == SOL_SOCKET and kind == SO_TIMESTAMPNS and w + 3 < c.shape[1]:
+            stamp = np.float64(np.int64(c[i, w + 2])) + np.float64(np.int64(c[i, w + 3])) * 1e-9
         at += (clen + 7) & ~7
-    return seg, tos
+    return seg, tos, stamp
 
 
 @njit(inline="always", **JIT)
@@ -411,12 +428,14 @@ class Features(NamedTuple):
     batched: bool     # recvmmsg/sendmmsg through libc (Linux, LP64)
     gso: bool         # UDP_SEGMENT
     gro: bool         # UDP_GRO
+    stamps: bool = False   # SO_TIMESTAMPNS: the kernel's arrival time of each datagram
 
     def describe(self) -> str:
         if not self.batched:
             return "one datagram per system call (no recvmmsg/sendmmsg here)"
         return ("recvmmsg/sendmmsg" + (", UDP GSO" if self.gso else ", no UDP GSO")
-                + (", UDP GRO" if self.gro else ", no UDP GRO"))
+                + (", UDP GRO" if self.gro else ", no UDP GRO")
+                + (", arrival stamps" if self.stamps else ", no arrival stamps"))
 
 
 IO_MODES = ("gso", "batched", "plain")
@@ -457,7 +476,8 @@ def congestion_experienced(ancdata) -> bool:
 
 def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
     """What this kernel offers on `sock` (within ZEROSUM_IO), turning GRO on where it exists (`gso`/`gro`
-    False: do not use), and ECN on (enable_ecn)."""
+    False: do not use), ECN on (enable_ecn), and the kernel's arrival stamps on (SO_TIMESTAMPNS, read
+    with the batched receive: rx.arrived)."""
     enable_ecn(sock)
     mode = io_mode()
     gso, gro = gso and mode == "gso", gro and mode == "gso"
@@ -475,7 +495,14 @@ def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
             have_gro = True
         except OSError:
             pass
-    return Features(batched, have_gso, have_gro)
+    have_stamps = False
+    if batched:
+        try:
+            sock.setsockopt(SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            have_stamps = True
+        except OSError:
+            pass
+    return Features(batched, have_gso, have_gro, have_stamps)
 
 
 def multicast_receiver(group: tuple[str, int], interface: str, rcvbuf: int) -> socket.socket:

@@ -41,6 +41,7 @@ class WorkerStats:
     spurious_entries: int = 0    # resent entries the aggregator already held (its STATUS answers; R-C4)
     drains: int = 0              # the congestion window's drains (R-C8), all allreduces
     competitive: bool = False    # the last drain found a queue that another flow keeps (R-C8)
+    host_wait: float = 0.0       # the longest a result waited in the socket to be read, seconds (R-C4)
 
 
 def _aggregator_list(aggregators) -> tuple[list[str], list[tuple[str, int]]]:
@@ -494,7 +495,8 @@ class Worker:
             m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, path=self._path)
             self._run(m)
             self._path = m.path
-            self.stats.window = int(m.cwnd) if m.st.i[K.I_CONGESTION] else m.window_columns * (
+            # (the path's window: an allreduce that ended in a drain (R-C8) held 2 entries only for it)
+            self.stats.window = int(self._path.cwnd) if m.st.i[K.I_CONGESTION] else m.window_columns * (
                 P.ENTRY_SIZE + 4 * self.block_size)
             self.stats.srtt, self.stats.min_rtt = m.srtt, (m.path.min_rtt if np.isfinite(m.path.min_rtt) else None)
             cuts = m.window_cuts
@@ -502,6 +504,7 @@ class Worker:
             self.stats.spurious_entries += m.spurious_entries
             self.stats.drains += m.drains
             self.stats.competitive = self._path.competitive > 0
+            self.stats.host_wait = max(self.stats.host_wait, self._path.host_wait)
             self.last_union = (m.union_blocks, source.nblocks)
         self.stats.allreduces += 1
 

@@ -45,6 +45,8 @@ class PathEstimate(NamedTuple):
     reorder: int = 1        # the reordering window's multiple (R-C4)
     drain_slot: float = -np.inf   # the last wall-clock period drained (R-C8)
     competitive: int = 0          # drains without a queue to go before delay counts again (R-C8)
+    host_wait: float = 0.0        # the longest wait of a datagram in the worker's socket (R-C4)
+    host_wait_at: float = 0.0     # when it was seen (it fades from then on)
 
 
 @dataclass
@@ -225,7 +227,8 @@ class AllreduceMachine:
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, K.DRAIN_PERIOD,
-                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf], np.float64),
+                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
+                        0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at], np.float64),
             i=np.zeros(K.N_I, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
@@ -313,7 +316,7 @@ class AllreduceMachine:
         cwnd = max(f[K.F_CWND], f[K.F_DRAIN_CWND]) if draining else f[K.F_CWND]
         return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(cwnd), float(f[K.F_SSTHRESH]),
                             float(f[K.F_MIN_RTT]), int(self.st.i[K.I_REO_MULT]), float(f[K.F_DRAIN_SLOT]),
-                            int(self.st.i[K.I_COMPETITIVE]))
+                            int(self.st.i[K.I_COMPETITIVE]), float(f[K.F_HOST_WAIT]), float(f[K.F_HOST_WAIT_AT]))
 
     @property
     def srtt(self):

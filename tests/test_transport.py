@@ -1,6 +1,7 @@
 """zerosum.transport: batched system calls, UDP GSO and GRO, their fallbacks, and the path's datagram size;
 then whole allreduces through each I/O mode (ZEROSUM_IO) with MTU-sized datagrams, exact to the bit."""
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -97,6 +98,29 @@ def test_receive_times_out_empty_and_reports_the_sender():
         b.sendto(b"x" * 5, a.getsockname())
         assert T.receive(a.fileno(), rx, 1000) == 1
         assert rx.length[0] == 5 and T.address_of(int(rx.source[0])) == b.getsockname()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_arrivals_carry_the_kernels_time_not_the_time_they_were_read():
+    """A datagram read 80 ms after it arrived says so (rx.arrived, on monotonic()'s clock): the wait of a
+    worker that is behind (or waits for a core) is not the path's (R-C3, R-C4)."""
+    a, b = sockets(2)
+    try:
+        features = T.detect(a)
+        if not features.stamps:
+            pytest.skip("no SO_TIMESTAMPNS with batched receives here")
+        rx = T.rx_batch()
+        sent = time.monotonic()
+        b.sendto(b"x" * 5, a.getsockname())
+        b.sendto(b"y" * 7, a.getsockname())
+        time.sleep(0.08)
+        assert T.receive(a.fileno(), rx, 1000) == 2
+        read = time.monotonic()
+        for k in range(2):
+            assert sent - 0.002 <= rx.arrived[k] <= sent + 0.03      # when it came, not when it was read
+            assert read - rx.arrived[k] >= 0.07
     finally:
         a.close()
         b.close()
