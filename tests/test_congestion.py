@@ -242,20 +242,23 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
 
 def test_the_reordering_window_covers_the_longest_wait_of_a_result_in_this_workers_socket():
     """R-C4: a result read 12 ms after it arrived says this host's ranks run that far behind: a round
-    8 ms older than a delivered one is not lost yet; the wait fades by half per second, and then it is."""
+    8 ms older than a delivered one is not lost yet; the wait fades by half per half-life, and then it is."""
+    half = K.HOST_WAIT_HALF_LIFE
     m, st = rounds_in_flight(1.0, 1.007)
     st.f[K.F_DELIVERED_SENT] = 1.008                                # 8 ms: past the 5 ms delay target
     K.note_host_wait(st, 0.012, 1.0)
     K.note_host_wait(st, 0.003, 1.001)                              # a shorter wait does not replace it
-    assert K.host_wait(st, 1.001) == pytest.approx(0.012 * 0.5 ** 0.001)
+    assert K.host_wait(st, 1.001) == pytest.approx(0.012 * 0.5 ** (0.001 / half))
     K.detect_loss(st, 1.01)
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
-    assert K.host_wait(st, 2.0) == pytest.approx(0.006)             # one half-life later: 6 ms
-    K.detect_loss(st, 1.9)                                          # 6.4 ms by then: lost, resent now
-    assert st.deadline[0] == 1.9 and st.deadline[1] == 2.0 and st.loss_confirmed[0] and m.window_cuts == (0, 1)
+    assert K.host_wait(st, 1.0 + half) == pytest.approx(0.006)      # one half-life later: 6 ms
+    st.deadline[:2] = 2 * half
+    K.detect_loss(st, 1.0 + 0.9 * half)                             # 6.4 ms by then: lost, resent now
+    assert st.deadline[0] == 1.0 + 0.9 * half and st.deadline[1] == 2 * half
+    assert st.loss_confirmed[0] and m.window_cuts == (0, 1)
     path = m.path                                                   # the next allreduce starts from it
     assert path.host_wait == 0.012 and path.host_wait_at == 1.0
-    assert K.host_wait(machine(path=path).st, 2.0) == pytest.approx(0.006)
+    assert K.host_wait(machine(path=path).st, 1.0 + half) == pytest.approx(0.006)
 
 
 def test_loss_detection_judges_only_columns_up_to_the_delivered_rounds():
