@@ -96,7 +96,7 @@ class AggregatorServer:
         if seed is not None:
             T.seed_loss(seed)
         self.address = self.sock.getsockname()
-        self.features = T.detect(self.sock)
+        self.features = T.detect(self.sock, stamps=False)   # (the workers' round trips use them, R-C3)
         if group is not None:
             if not self.features.batched:
                 raise ValueError("--multicast needs batched I/O (Linux, ZEROSUM_IO other than plain)")

@@ -474,10 +474,10 @@ def congestion_experienced(ancdata) -> bool:
     return (tos_of(ancdata) & ECN_MASK) == CE
 
 
-def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
+def detect(sock: socket.socket, gso: bool = True, gro: bool = True, stamps: bool = True) -> Features:
     """What this kernel offers on `sock` (within ZEROSUM_IO), turning GRO on where it exists (`gso`/`gro`
     False: do not use), ECN on (enable_ecn), and the kernel's arrival stamps on (SO_TIMESTAMPNS, read
-    with the batched receive: rx.arrived)."""
+    with the batched receive: rx.arrived; `stamps` False: not asked for)."""
     enable_ecn(sock)
     mode = io_mode()
     gso, gro = gso and mode == "gso", gro and mode == "gso"
@@ -496,7 +496,7 @@ def detect(sock: socket.socket, gso: bool = True, gro: bool = True) -> Features:
         except OSError:
             pass
     have_stamps = False
-    if batched:
+    if batched and stamps:
         try:
             sock.setsockopt(SOL_SOCKET, SO_TIMESTAMPNS, 1)
             have_stamps = True

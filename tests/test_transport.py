@@ -121,6 +121,16 @@ def test_arrivals_carry_the_kernels_time_not_the_time_they_were_read():
         for k in range(2):
             assert sent - 0.002 <= rx.arrived[k] <= sent + 0.03      # when it came, not when it was read
             assert read - rx.arrived[k] >= 0.07
+        c = sockets(1)[0]                                             # not asked for (the aggregator)
+        try:
+            assert not T.detect(c, stamps=False).stamps
+            b.sendto(b"z", c.getsockname())
+            time.sleep(0.08)
+            before = time.monotonic()
+            assert T.receive(c.fileno(), rx, 1000) == 1
+            assert before <= rx.arrived[0] <= time.monotonic()         # the time it was read
+        finally:
+            c.close()
     finally:
         a.close()
         b.close()
