@@ -1118,6 +1118,7 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                 if keys[k] == source:
                     a = k
             arrived = min(rx.arrived[i], now)
+            noted = False
             while off < length:
                 size = min(seg, length - off)
                 if st.i[I_COLLECT] and st.counts[1] + size // (4 * st.hdr[5]) > room:
@@ -1134,9 +1135,11 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                 # sets the reordering window's floor instead (R-C4)
                 code = receive_one(st, rx.buf[i, off - seg: off - seg + size], size, a, arrived,
                                    (rx.tos[i] & ECN_MASK) == CE)
-                if code == APPLIED or code == PROBE_OUT:
-                    # (only what this allreduce applied: a stale datagram may have waited since the last)
+                if not noted and (code == APPLIED or code == PROBE_OUT):
+                    # once per buffer (its datagrams share the stamp), and only for what this allreduce
+                    # applied: a stale datagram may have waited since the last one
                     note_host_wait(st, now - arrived, now)
+                    noted = True
                 if code > 0:
                     st.i[I_EVENT_AGG] = a
                     st.i[I_VIOLATION] = code
