@@ -474,6 +474,15 @@ def congestion_experienced(ancdata) -> bool:
     return (tos_of(ancdata) & ECN_MASK) == CE
 
 
+def _try_option(sock: socket.socket, level: int, option: int, value: int) -> bool:
+    """Set a socket option; False where this kernel does not have it."""
+    try:
+        sock.setsockopt(level, option, value)
+        return True
+    except OSError:
+        return False
+
+
 def detect(sock: socket.socket, gso: bool = True, gro: bool = True, stamps: bool = True) -> Features:
     """What this kernel offers on `sock` (within ZEROSUM_IO), turning GRO on where it exists (`gso`/`gro`
     False: do not use), ECN on (enable_ecn), and the kernel's arrival stamps on (SO_TIMESTAMPNS, read
@@ -482,26 +491,10 @@ def detect(sock: socket.socket, gso: bool = True, gro: bool = True, stamps: bool
     mode = io_mode()
     gso, gro = gso and mode == "gso", gro and mode == "gso"
     batched = sys.platform.startswith("linux") and struct.calcsize("P") == 8 and mode != "plain"
-    have_gso = have_gro = False
-    if batched and gso:
-        try:
-            sock.setsockopt(SOL_UDP, UDP_SEGMENT, 0)     # 0: no default segment size; probes support
-            have_gso = True
-        except OSError:
-            pass
-    if batched and gro:
-        try:
-            sock.setsockopt(SOL_UDP, UDP_GRO, 1)
-            have_gro = True
-        except OSError:
-            pass
-    have_stamps = False
-    if batched and stamps:
-        try:
-            sock.setsockopt(SOL_SOCKET, SO_TIMESTAMPNS, 1)
-            have_stamps = True
-        except OSError:
-            pass
+    # (UDP_SEGMENT 0: no default segment size; setting it probes the support)
+    have_gso = batched and gso and _try_option(sock, SOL_UDP, UDP_SEGMENT, 0)
+    have_gro = batched and gro and _try_option(sock, SOL_UDP, UDP_GRO, 1)
+    have_stamps = batched and stamps and _try_option(sock, SOL_SOCKET, SO_TIMESTAMPNS, 1)
     return Features(batched, have_gso, have_gro, have_stamps)
 
 
