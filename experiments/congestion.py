@@ -27,6 +27,7 @@ decides.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -55,7 +56,12 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
     """One worker: joins, warms up and says so on `q`, waits until `delay` seconds after the time.time()
     that the parent then puts into `start` (shared), then reduces its tensor back to back for
     `seconds` (at least one allreduce) or `rounds` allreduces; reports every allreduce's end and
-    duration, the retransmissions, where its window settled, and whether every sum was exact."""
+    duration, the retransmissions of those allreduces, where its window settled, and whether every sum
+    was exact. With `rounds` (one job alone: the steady state) the warm-up is an untimed allreduce of the whole
+    tensor, as in `zerosum bench`: a run's first allreduce of that size faults in its result's pages and
+    took 1.4-2.3x the time of the next ones, for every window alike, which a median of a few rounds does not
+    filter out. With `seconds` (jobs that start one after another) it is a small one: a job's start,
+    slow start included, is what those runs measure."""
     try:
         from zerosum import Worker
         from zerosum.netns import enter
@@ -65,7 +71,8 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
         ref = reference_allreduce([tensor(job, r, size) for r in range(world)], BLOCK) if rank == 0 else None
         with Worker(rank, world, [address], job=job, block_size=BLOCK, key=key, window=window, congestion=congestion,
                     timeout=20) as w:
-            w.allreduce(x[: BLOCK * 64])       # joined, kernels warm
+            w.allreduce(x if rounds else x[: BLOCK * 64])       # joined, kernels warm
+            warm = dataclasses.replace(w.stats)                 # counts below are the timed allreduces'
             q.put({"ready": (job, rank)})
             while not start.value:
                 time.sleep(0.01)
@@ -78,11 +85,13 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
                 log.append((time.time(), time.perf_counter() - t0))
                 if ref is not None:
                     exact &= y.tobytes() == ref.tobytes()
+            s = w.stats
             q.put({"job": job, "rank": rank, "log": log, "exact": exact,
-                   "retransmitted": w.stats.retransmitted_entries, "sent": w.stats.bytes_sent,
-                   "window": w.stats.window, "srtt": w.stats.srtt, "cuts": list(w.stats.window_cuts),
-                   "spurious": w.stats.spurious_entries, "drains": w.stats.drains,
-                   "competitive": w.stats.competitive})
+                   "retransmitted": s.retransmitted_entries - warm.retransmitted_entries,
+                   "sent": s.bytes_sent - warm.bytes_sent, "window": s.window, "srtt": s.srtt,
+                   "cuts": [a - b for a, b in zip(s.window_cuts, warm.window_cuts)],
+                   "spurious": s.spurious_entries - warm.spurious_entries, "drains": s.drains - warm.drains,
+                   "competitive": s.competitive})
     except Exception as e:
         q.put({"job": job, "rank": rank, "error": f"{type(e).__name__}: {e}"})
 
