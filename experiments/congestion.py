@@ -301,8 +301,13 @@ def write_doc(results: dict, path: Path, command: str) -> None:
             rows = [r for r in results["single"]["rows"] if (r["rate"], r["mtu"]) == (rate, mtu)]
             auto = next(r for r in rows if r["window"] == "auto")
             best = best_fixed(rows)
+            settled = [r["settled_window"] for r in rows if r["window"].startswith("fixed")]
+            same = len(settled) > 1 and len(set(settled)) == 1     # windows past every column: all alike
             lines.append(f"\n{rate}, MTU {mtu}: the automatic window takes {auto['time_s'] / best['time_s']:.2f}x "
-                         f"the time of the best fixed window ({best['window']}).")
+                         f"the time of the best fixed window ({best['window']})."
+                         + (f" Every fixed window of this sweep holds every column, so they are one setting run "
+                            f"{len(settled)} times, and the best of them is the least of {len(settled)} noisy medians "
+                            "of it." if same else ""))
         held = results["single"].get("holdout") or []
         if held:
             lines += ["", "Held out: the best fixed window of the sweep above is the one that was fastest in those "

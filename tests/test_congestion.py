@@ -720,7 +720,10 @@ def test_the_shaped_link_experiment_runs_and_reports(tmp_path):
     E.write_doc({"single": {"rows": rows}}, tmp_path / "c.md", "cmd")
     text = (tmp_path / "c.md").read_text()
     assert "| 50mbit | 1500 | auto |" in text and "automatic window takes 0.50x the time" in text
-    assert "Held out" not in text
+    assert "Held out" not in text and "one setting run" not in text
+    alike = rows + [dict(row, window="fixed 2x", time_s=3 * row["time_s"])]  # two fixed windows, one setting
+    E.write_doc({"single": {"rows": alike}}, tmp_path / "c.md", "cmd")
+    assert "one setting run 2 times, and the best of them is the least of 2" in (tmp_path / "c.md").read_text()
     held = {"rate": "50mbit", "mtu": 1500, "best": "fixed 1x", "auto_times_s": [0.2, 0.3, 0.25],
             "best_times_s": [0.2, 0.2, 0.21], "auto_s": 0.25, "best_s": 0.2}
     E.write_doc({"single": {"rows": rows, "holdout": [held]}}, tmp_path / "c.md", "cmd")
