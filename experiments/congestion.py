@@ -57,11 +57,11 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
     that the parent then puts into `start` (shared), then reduces its tensor back to back for
     `seconds` (at least one allreduce) or `rounds` allreduces; reports every allreduce's end and
     duration, the retransmissions of those allreduces, where its window settled, and whether every sum
-    was exact. With `rounds` (one job alone: the steady state) the warm-up is an untimed allreduce of the whole
-    tensor, as in `zerosum bench`: a run's first allreduce of that size faults in its result's pages and
-    took 1.4-2.3x the time of the next ones, for every window alike, which a median of a few rounds does not
-    filter out. With `seconds` (jobs that start one after another) it is a small one: a job's start,
-    slow start included, is what those runs measure."""
+    was exact. With `rounds` (one job alone: the steady state) the warm-up is an untimed allreduce of
+    the whole tensor, as in `zerosum bench`: a run's first allreduce of that size faults in its result's
+    pages and took 1.4-2.3x the time of the next ones, for every window alike, which a median of a few
+    rounds does not filter out. With `seconds` (jobs that start one after another) it is a small one: a
+    job's start, slow start included, is what those runs measure."""
     try:
         from zerosum import Worker
         from zerosum.netns import enter
