@@ -27,7 +27,6 @@ decides.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -52,6 +51,13 @@ def tensor(job: int, rank: int, size: int) -> np.ndarray:
     return np.random.default_rng([job, rank]).standard_normal(size).astype(np.float32)
 
 
+def _counters(w) -> dict:
+    """The worker's cumulative counters that a run reports (zerosum.bench.counter_delta takes them apart)."""
+    s = w.stats
+    return {"retransmitted": s.retransmitted_entries, "sent": s.bytes_sent, "spurious": s.spurious_entries,
+            "drains": s.drains, "delay_cuts": s.window_cuts[0], "loss_cuts": s.window_cuts[1]}
+
+
 def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, window, congestion, start, delay, q):
     """One worker: joins, warms up and says so on `q`, waits until `delay` seconds after the time.time()
     that the parent then puts into `start` (shared), then reduces its tensor back to back for
@@ -64,6 +70,7 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
     job's start, slow start included, is what those runs measure."""
     try:
         from zerosum import Worker
+        from zerosum.bench import counter_delta
         from zerosum.netns import enter
         from zerosum.reference import reference_allreduce
         enter(namespace)
@@ -72,7 +79,7 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
         with Worker(rank, world, [address], job=job, block_size=BLOCK, key=key, window=window, congestion=congestion,
                     timeout=20) as w:
             w.allreduce(x if rounds else x[: BLOCK * 64])       # joined, kernels warm
-            warm = dataclasses.replace(w.stats)                 # counts below are the timed allreduces'
+            warm = _counters(w)                                 # counts below are the timed allreduces'
             q.put({"ready": (job, rank)})
             while not start.value:
                 time.sleep(0.01)
@@ -85,13 +92,11 @@ def _rank(namespace, job, rank, world, address, key, size, seconds, rounds, wind
                 log.append((time.time(), time.perf_counter() - t0))
                 if ref is not None:
                     exact &= y.tobytes() == ref.tobytes()
-            s = w.stats
+            timed = counter_delta(warm, _counters(w))
             q.put({"job": job, "rank": rank, "log": log, "exact": exact,
-                   "retransmitted": s.retransmitted_entries - warm.retransmitted_entries,
-                   "sent": s.bytes_sent - warm.bytes_sent, "window": s.window, "srtt": s.srtt,
-                   "cuts": [a - b for a, b in zip(s.window_cuts, warm.window_cuts)],
-                   "spurious": s.spurious_entries - warm.spurious_entries, "drains": s.drains - warm.drains,
-                   "competitive": s.competitive})
+                   "retransmitted": timed["retransmitted"], "sent": timed["sent"], "window": w.stats.window,
+                   "srtt": w.stats.srtt, "cuts": [timed["delay_cuts"], timed["loss_cuts"]],
+                   "spurious": timed["spurious"], "drains": timed["drains"], "competitive": w.stats.competitive})
     except Exception as e:
         q.put({"job": job, "rank": rank, "error": f"{type(e).__name__}: {e}"})
 
