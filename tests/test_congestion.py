@@ -170,11 +170,12 @@ def _drain_once(m, period, least):
     K.drain_step(st, K.drain_timer(st))
 
 
-def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_two_drains_find_it_empty():
+def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_in_a_row_find_it_empty():
     """R-C8: every ZeroSum worker drained, yet the rounds sent meanwhile took more than half the delay
     target above the least round trip: a flow that does not yield to delay keeps the queue. The window
     then ignores delay and leaves it to losses (no delay cut, growth above the target, Reno's halving
-    that a spurious answer does not undo), until two drains in a row find the queue gone."""
+    that a spurious answer does not undo), until COMPETITIVE_DRAINS drains in a row find the queue gone: a
+    drain that finds it again in between starts the count anew."""
     m = draining(min_rtt=0.001)
     st = m.st
     K.drain_step(st, 0.5 * K.DRAIN_PERIOD)
@@ -190,12 +191,17 @@ def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_two_drai
     cut = m.cwnd
     K.on_spurious(st, 1, now + 0.101)
     assert m.cwnd == cut                                            # losses beside such a flow are real
-    _drain_once(m, 2, 0.0012)                                       # the queue drained: one of two
-    assert st.i[K.I_COMPETITIVE] == 1
-    _drain_once(m, 3, 0.0012)
+    assert K.COMPETITIVE_DRAINS >= 2
+    _drain_once(m, 2, 0.0012)                                       # the queue drained: one of them
+    assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS - 1
+    _drain_once(m, 3, 0.001 + 0.6 * st.f[K.F_TARGET])               # the queue is back: the count starts anew
+    assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS
+    for period in range(4, 4 + K.COMPETITIVE_DRAINS):
+        assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS - (period - 4)
+        _drain_once(m, period, 0.0012)
     assert st.i[K.I_COMPETITIVE] == 0
     path = m.path
-    assert path.competitive == 0 and path.drain_slot == 3
+    assert path.competitive == 0 and path.drain_slot == 3 + K.COMPETITIVE_DRAINS
 
 
 def test_an_allreduce_that_ends_while_draining_hands_on_the_window_it_saved():
