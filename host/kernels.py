@@ -524,7 +524,7 @@ class WorkerState(NamedTuple):
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
  F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
  F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
- F_HOST_WAIT_AT) = range(33)
+ F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(34)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
@@ -543,7 +543,8 @@ N_COUNTS = 9    # WorkerState.counts (apply_datagram says what each holds)
 # (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
 # F_RACK_FROM: loss detection judges only rounds sent since (R-C8); F_HOST_WAIT: the longest a datagram
 # waited in this worker's socket before it was read, fading by half every HOST_WAIT_HALF_LIFE, as of
-# F_HOST_WAIT_AT (R-C4);
+# F_HOST_WAIT_AT (R-C4); F_OTHER_QUEUE: the queue that the last drain which found one saw: another
+# flow's (R-C8);
 # I_COMPETITIVE: drains that must find the queue empty before delay counts again (0: delay counts; R-C8);
 # I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT (R-C4)
 # what a worker drops, by name (AllreduceMachine.drops)
@@ -595,9 +596,9 @@ DRAIN_PERIOD = 1.0      # R-C8: every worker drains at each multiple of this man
 DRAIN_TIME = 0.02       # R-C8: a drain lasts two smoothed round trips in whole multiples of this
 DRAIN_MAX = 0.2         # R-C8: and at most this long (BBR's ProbeRTT: 200 ms)
 DRAIN_WINDOW = 2        # R-C8: entries in flight while draining (BBR's ProbeRTT: 4 packets)
-COMPETITIVE_DRAINS = 3  # R-C8: drains in a row that find the queue empty before delay counts again (beside
-#                         TCP, whose queue is absent from about half the drains while the job holds half the
-#                         link, two in a row came every few seconds and each cost ~1 s of yielding)
+COMPETITIVE_DRAINS = 3  # R-C8: drains in a row that find the queue empty before the delay target is the
+#                         path's again (beside TCP, two in a row came every few seconds, each followed by ~1 s
+#                         of yielding)
 COMPETITIVE_CUT = 0.5   # R-C8: the loss cut beside a flow that does not yield (Reno's, RFC 5681)
 HOST_WAIT_HALF_LIFE = 10.0  # R-C4: the host's longest wait counts half after this many seconds (with
 #                             1 s, a 10 % row on veth links still resent 30-99 entries that were not lost)
@@ -621,6 +622,17 @@ def cut_window(st, factor, now):
     set_window(st)
 
 
+@njit(inline="always", **JIT)
+def queue_target(st):
+    """The queue that the window may build (R-C3): the delay target; beside a flow that keeps a queue of its
+    own (R-C8), as much again as that flow kept while ZeroSum drained, plus the target. A FIFO queue serves
+    its flows in proportion to the bytes each holds in it, so holding as much as the other flow is an even
+    split (the target on top: a round trip here also holds the hosts' waits, which the drain's light load
+    did not). Against a flow that fills the buffer until it overflows, that much does not fit, and losses
+    decide, as between loss-based flows."""
+    return 2.0 * st.f[F_OTHER_QUEUE] + st.f[F_TARGET] if st.i[I_COMPETITIVE] else st.f[F_TARGET]
+
+
 @njit(**JIT)
 def end_epoch(st, now):
     """R-C3: the delay verdict, once per measurement epoch (one round trip: from the epoch's start until a
@@ -641,9 +653,7 @@ def end_epoch(st, now):
     i[I_EPOCH_MARKED] = 0
     i[I_MARKED] = marked
     f[F_QUEUE] = rtt - f[F_MIN_RTT]
-    excess = f[F_QUEUE] - f[F_TARGET]
-    if i[I_COMPETITIVE]:
-        excess = -np.inf            # R-C8: beside a flow that keeps the queue, delay is no signal
+    excess = f[F_QUEUE] - queue_target(st)
     if (marked or excess > -0.5 * f[F_TARGET]) and f[F_CWND] < f[F_SSTHRESH]:
         f[F_SSTHRESH] = f[F_CWND]   # the queue grows: leave slow start before it overshoots (HyStart)
     if (marked or excess > 0.0) and now >= f[F_NEXT_CUT]:
@@ -680,7 +690,7 @@ def on_rounds(st, acked, rtt, now, sent):
         f[F_EPOCH_MIN] = min(f[F_EPOCH_MIN], rtt)
         if sent >= f[F_EPOCH_START] and now >= f[F_EPOCH_START] + EPOCH_MIN:
             end_epoch(st, now)
-    if (f[F_QUEUE] > f[F_TARGET] and not i[I_COMPETITIVE]) or st.i[I_MARKED]:
+    if f[F_QUEUE] > queue_target(st) or st.i[I_MARKED]:
         return                      # above the target: no growth until an epoch says otherwise
     if i[I_ADMITTED] >= st.round_block.shape[0]:
         return                      # every column is admitted: the window is not what limits
@@ -829,9 +839,10 @@ def end_drain(st, now):
     """R-C8: the drain is over: the window it saved comes back, and a new measurement epoch begins. The
     verdict: when the least round trip of the rounds sent while draining stayed more than half the delay
     target above the least seen, the queue did not drain although every ZeroSum worker drained: a flow
-    that does not yield to delay (loss-based TCP) keeps it. Until COMPETITIVE_DRAINS drains in a row find
-    the queue empty, the window then ignores delay, grows from slow start and is halved on loss, as
-    loss-based flows are (Copa's competitive mode, Arun & Balakrishnan, NSDI'18, section 5)."""
+    that does not yield to delay (TCP) keeps it. Until COMPETITIVE_DRAINS drains in a row find the queue
+    empty, the window then grows from slow start, may build as much queue again as that flow keeps
+    (queue_target) and is halved on loss, as loss-based flows are (Copa's competitive mode, Arun &
+    Balakrishnan, NSDI'18, section 5: a delay target alone hands the link to such a flow)."""
     f, i = st.f, st.i
     f[F_CWND] = max(f[F_CWND], f[F_DRAIN_CWND])
     f[F_RACK_FROM] = f[F_DRAIN_END] + DRAIN_TIME   # ranks whose drains differ by one DRAIN_TIME
@@ -843,6 +854,7 @@ def end_drain(st, now):
             if not i[I_COMPETITIVE]:
                 f[F_SSTHRESH] = np.inf
             i[I_COMPETITIVE] = COMPETITIVE_DRAINS
+            f[F_OTHER_QUEUE] = f[F_DRAIN_MIN] - f[F_MIN_RTT]
         elif i[I_COMPETITIVE]:
             i[I_COMPETITIVE] -= 1       # back to delay after COMPETITIVE_DRAINS drains that found no queue
     set_window(st)

@@ -47,6 +47,7 @@ class PathEstimate(NamedTuple):
     competitive: int = 0          # drains without a queue to go before delay counts again (R-C8)
     host_wait: float = 0.0        # the longest wait of a datagram in the worker's socket (R-C4)
     host_wait_at: float = 0.0     # when it was seen (it fades from then on)
+    other_queue: float = 0.0      # the queue another flow keeps, as the last drain that found one saw (R-C8)
 
 
 @dataclass
@@ -228,7 +229,8 @@ class AllreduceMachine:
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, K.DRAIN_PERIOD,
                         -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
-                        0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at], np.float64),
+                        0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
+                        0.0 if fresh else path.other_queue], np.float64),
             i=np.zeros(K.N_I, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
@@ -316,7 +318,8 @@ class AllreduceMachine:
         cwnd = max(f[K.F_CWND], f[K.F_DRAIN_CWND]) if draining else f[K.F_CWND]
         return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(cwnd), float(f[K.F_SSTHRESH]),
                             float(f[K.F_MIN_RTT]), int(self.st.i[K.I_REO_MULT]), float(f[K.F_DRAIN_SLOT]),
-                            int(self.st.i[K.I_COMPETITIVE]), float(f[K.F_HOST_WAIT]), float(f[K.F_HOST_WAIT_AT]))
+                            int(self.st.i[K.I_COMPETITIVE]), float(f[K.F_HOST_WAIT]), float(f[K.F_HOST_WAIT_AT]),
+                            float(f[K.F_OTHER_QUEUE]))
 
     @property
     def srtt(self):

@@ -173,24 +173,33 @@ def _drain_once(m, period, least):
 def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_in_a_row_find_it_empty():
     """R-C8: every ZeroSum worker drained, yet the rounds sent meanwhile took more than half the delay
     target above the least round trip: a flow that does not yield to delay keeps the queue. The window
-    then ignores delay and leaves it to losses (no delay cut, growth above the target, Reno's halving
-    that a spurious answer does not undo), until COMPETITIVE_DRAINS drains in a row find the queue gone: a
-    drain that finds it again in between starts the count anew."""
+    then may build as much queue again as that flow kept, plus the target (no cut and growth below that,
+    a delay cut above it), is halved on loss (Reno's halving, which a spurious answer does not undo), and
+    what it learnt carries over to the next allreduce, until COMPETITIVE_DRAINS drains in a row find the
+    queue gone: a drain that finds it again in between starts the count anew."""
     m = draining(min_rtt=0.001)
     st = m.st
+    target = st.f[K.F_TARGET]
     K.drain_step(st, 0.5 * K.DRAIN_PERIOD)
-    _drain_once(m, 1, 0.001 + 0.6 * st.f[K.F_TARGET])
+    _drain_once(m, 1, 0.001 + 0.6 * target)
     assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS and st.f[K.F_SSTHRESH] == np.inf
+    assert m.path.other_queue == pytest.approx(0.6 * target)
+    allowed = 2 * 0.6 * target + target                            # as much again, plus the target
     st.f[K.F_SSTHRESH] = m.cwnd
     before = m.cwnd
     now = 1.5 * K.DRAIN_PERIOD
-    K.on_rounds(st, 1, 0.03, now, now - 0.03)                      # 29 ms of queue: no cut, and growth
+    rtt = 0.001 + allowed - 0.001                                   # above the target, within what is allowed
+    K.on_rounds(st, 1, rtt, now, now - rtt)
     assert m.window_cuts == (0, 0) and m.cwnd == pytest.approx(before + ENTRY * ENTRY / before / 4)  # 1/world²
     K.on_loss(st, now + 0.1)
     assert m.cwnd == pytest.approx(0.5 * (before + ENTRY * ENTRY / before / 4))
     cut = m.cwnd
     K.on_spurious(st, 1, now + 0.101)
     assert m.cwnd == cut                                            # losses beside such a flow are real
+    later = now + 0.2
+    rtt = 0.001 + allowed + 0.004                                   # more queue than allowed: a delay cut
+    K.on_rounds(st, 1, rtt, later, later - rtt)
+    assert m.window_cuts == (1, 1) and m.cwnd < cut
     assert K.COMPETITIVE_DRAINS >= 2
     _drain_once(m, 2, 0.0012)                                       # the queue drained: one of them
     assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS - 1
