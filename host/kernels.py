@@ -545,7 +545,8 @@ N_COUNTS = 9    # WorkerState.counts (apply_datagram says what each holds)
 # waited in this worker's socket before it was read, fading by half every HOST_WAIT_HALF_LIFE, as of
 # F_HOST_WAIT_AT (R-C4); F_OTHER_QUEUE: the queue that the last drain which found one saw: another
 # flow's (R-C8);
-# I_COMPETITIVE: drains that must find the queue empty before delay counts again (0: delay counts; R-C8);
+# I_COMPETITIVE: drains that must find the queue empty before the path's delay target counts again (0: it
+# does; R-C8);
 # I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT (R-C4)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",

@@ -184,6 +184,9 @@ def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_i
     _drain_once(m, 1, 0.001 + 0.6 * target)
     assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS and st.f[K.F_SSTHRESH] == np.inf
     assert m.path.other_queue == pytest.approx(0.6 * target)
+    nxt = machine(path=m.path)                                      # the next allreduce competes alike
+    assert nxt.st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS
+    assert K.queue_target(nxt.st) == pytest.approx(2 * 0.6 * target + target)
     allowed = 2 * 0.6 * target + target                            # as much again, plus the target
     st.f[K.F_SSTHRESH] = m.cwnd
     before = m.cwnd
