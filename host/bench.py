@@ -95,7 +95,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
 
     with zerosum.Worker(rank, world, addresses, block_size=plan["block_size"], loss=plan["loss"],
                         seed=rank, max_datagram=plan.get("max_datagram"), key=plan["key"],
-                        multicast=_multicast(plan, 0), window=plan.get("window"),
+                        multicast=plan.get("multicast"), window=plan.get("window"),
                         congestion=plan.get("congestion", True)) as w:
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
@@ -186,9 +186,18 @@ class _Staged:
 
 # -- in the bench process ----------------------------------------------------------------------------
 
-def _multicast(plan: dict, aggregator: int) -> str | None:
-    """--multicast GROUP: GROUP:48900 for every aggregator (workers tell them apart by source address)."""
-    return f"{plan['multicast']}:48900" if plan.get("multicast") else None
+def resolve_multicast(setting: str, mtu: int | None) -> tuple[str | None, str]:
+    """--multicast: on loopback, local.results_group (auto: by multicast where it works here); on veth
+    links (--mtu) a GROUP given is used at port 48900 (every aggregator sends there, the workers tell
+    them apart by source address), and auto means results to each worker."""
+    from .local import OFF, results_group
+    if not mtu:
+        return results_group(setting)
+    setting = setting.strip().lower()
+    if setting in ("auto", *OFF):
+        return None, "results to each worker"
+    group = setting if ":" in setting else f"{setting}:48900"
+    return group, f"results by multicast to {group}"
 
 
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
@@ -210,7 +219,7 @@ def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> 
     plan = dict(plan, key=new_key())     # only this run's workers can join its aggregators
     aggs = [LocalAggregator(world, slots=plan["slots"], listen=listen[i], max_datagram=plan.get("max_datagram"),
                             prefix=plan["prefixes"][i] if plan.get("prefixes") else (),
-                            multicast=_multicast(plan, i), key=plan["key"])
+                            multicast=plan.get("multicast"), key=plan["key"])
             for i in range(aggregators)]
     events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
     gloo_port = 29500 if plan.get("namespaces") else _free_port()
@@ -469,6 +478,7 @@ def run_from_args(args) -> int:
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
             "max_datagram": args.max_datagram, "mtu": args.mtu, "multicast": args.multicast,
             "window": args.window, "congestion": args.congestion, "device": args.device}
+    plan["multicast"], multicast_note = resolve_multicast(args.multicast, args.mtu)
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
@@ -504,7 +514,7 @@ def run_from_args(args) -> int:
                       f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}"
                       + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}"
                          if plan.get("mtu") else "; loopback")
-                      + (f"; results by multicast to {plan['multicast']}" if plan.get("multicast") else ""))
+                      + f"; {multicast_note}")
     console.print(window_summary(results))
     recovery = recovery_summary(results)
     if recovery:

@@ -89,6 +89,42 @@ def _die_with_parent() -> None:
         pass
 
 
+LOOPBACK_GROUP = "239.255.77.1"   # administratively scoped (RFC 2365); sent with TTL 0, it stays on the host
+OFF = ("", "off", "none")
+
+
+def results_group(setting: str | None = "auto", interface: str = "127.0.0.1") -> tuple[str | None, str]:
+    """The multicast group that an aggregator ZeroSum starts on this host should send its results to
+    (LocalAggregator's and Worker's `multicast`), from a setting (`--multicast`, ZEROSUM_MULTICAST):
+
+    - "auto" (the default): LOOPBACK_GROUP, on a port of its own, where multicast works on loopback here
+      (tried once: transport.multicast_problem); else None, results to each worker. Each result then
+      crosses the aggregator's socket once instead of once per worker, which with W workers on one
+      host is most of the aggregator's system-call and copy cost (README "Results by multicast").
+    - "off" / "none" / "": None.
+    - "GROUP" or "GROUP:PORT": that group (a port of its own when none is given); ValueError where it
+      does not work here.
+
+    Returns (GROUP:PORT or None, one line saying which and why, for the user)."""
+    from . import transport as T
+    setting = "auto" if setting is None else setting.strip().lower()
+    if setting in OFF:
+        return None, "results to each worker (multicast off)"
+    if setting == "auto" and T.io_mode() == "plain":
+        return None, "results to each worker (multicast needs batched I/O; ZEROSUM_IO is plain)"
+    group, _, port = (LOOPBACK_GROUP, "", "") if setting == "auto" else setting.partition(":")
+    if not T.is_multicast(group):
+        raise ValueError(f"multicast {setting!r}: {group} is not an IPv4 multicast address (224.0.0.0/4); "
+                         "give GROUP[:PORT], auto or off")
+    free, problem = T.multicast_problem(group, interface)
+    if problem is not None:
+        if setting == "auto":
+            return None, f"results to each worker (multicast on loopback does not work here: {problem})"
+        raise ValueError(f"multicast {setting!r}: {problem}")
+    chosen = f"{group}:{port or free}"
+    return chosen, f"results by multicast to {chosen}" + (" (auto: loopback)" if setting == "auto" else "")
+
+
 class LocalAggregator:
     """A software aggregator in its own process on 127.0.0.1; `stop()` ends it and returns its counters."""
 

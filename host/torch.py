@@ -23,7 +23,10 @@ environment variables:
     ZEROSUM_PACING       0: the congestion window's rounds leave in bursts, not paced (R-C7); 1: paced
                          on this host too (unset: paced unless every aggregator is on this host)
     ZEROSUM_MAX_DATAGRAM largest datagram (Worker(max_datagram=...)), e.g. the link's MTU - 28
-    ZEROSUM_MULTICAST   the multicast GROUP:PORT the aggregator sends results to (its --multicast)
+    ZEROSUM_MULTICAST    with ZEROSUM_AGGREGATORS: the multicast GROUP:PORT they send results to (their
+                         --multicast); without: auto (default), the aggregator started here sends each
+                         result once to a group on loopback where multicast works on this host; off, to
+                         each worker; GROUP[:PORT], to that group
     ZEROSUM_PATHS        zerosum (default): every SUM allreduce through ZeroSum; auto: each one through
                          ZeroSum or gloo's ring, whichever is faster at its density (zerosum.hybrid)
     ZEROSUM_SILENCE      seconds of an aggregator's silence after which an allreduce fails at once with
@@ -879,22 +882,27 @@ def worker_from_env(store, rank: int, world_size: int):
     local = None
     env = os.environ.get("ZEROSUM_AGGREGATORS")
     key = os.environ.get("ZEROSUM_KEY") or None
+    multicast = os.environ.get("ZEROSUM_MULTICAST", "auto")
     if env:
         aggregators = [a.strip() for a in env.split(",") if a.strip()]
         job = int(os.environ.get("ZEROSUM_JOB", 1))
+        multicast = None if multicast.strip().lower() in ("auto", "off", "none", "") else multicast
     else:
         if rank == 0:
             # Protected by default: a fresh secret that only this job's ranks learn, through the store
             # they already trust, so that nobody else can join (or squat) the local aggregator's job.
-            from .local import LocalAggregator, new_key
+            from .local import LocalAggregator, new_key, results_group
             job = int(os.environ.get("ZEROSUM_JOB", random.randrange(1, 0xFFFF)))
-            local = LocalAggregator(world_size, job=job, key=key or new_key())
+            group, _ = results_group(multicast)    # every rank is on this host: by multicast where it works
+            local = LocalAggregator(world_size, job=job, key=key or new_key(), multicast=group)
             store.set("zerosum/aggregators", local.address)
             store.set("zerosum/job", str(job))
             store.set("zerosum/key", local.key)
+            store.set("zerosum/multicast", group or "")
         aggregators = [store.get("zerosum/aggregators").decode()]
         job = int(store.get("zerosum/job").decode())
         key = store.get("zerosum/key").decode()
+        multicast = store.get("zerosum/multicast").decode()
     worker = Worker(rank, world_size, aggregators, job=job,
                     block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
@@ -903,7 +911,7 @@ def worker_from_env(store, rank: int, world_size: int):
                     congestion=switch_from_env("ZEROSUM_CONGESTION"),
                     delay_target=float(os.environ.get("ZEROSUM_DELAY_TARGET", DELAY_TARGET)),
                     pacing=switch_from_env("ZEROSUM_PACING") if os.environ.get("ZEROSUM_PACING") else None,
-                    multicast=os.environ.get("ZEROSUM_MULTICAST") or None,
+                    multicast=multicast or None,
                     silence=float(os.environ["ZEROSUM_SILENCE"]) if os.environ.get("ZEROSUM_SILENCE") else None,
                     **({"max_datagram": int(os.environ["ZEROSUM_MAX_DATAGRAM"])}
                        if os.environ.get("ZEROSUM_MAX_DATAGRAM") else {}))

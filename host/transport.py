@@ -527,6 +527,30 @@ def multicast_sender(sock: socket.socket, interface: str) -> None:
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
 
 
+def multicast_problem(group: str, interface: str, wait: float = 0.5) -> tuple[int, str | None]:
+    """Try sending results to the multicast `group` through the interface with address `interface`: one
+    datagram to a receiver joined there, as the aggregator and its workers would. Returns (port, None)
+    when it arrived (port: a port of the group free on this host just now), or (0, why not): a host
+    without a route or membership for the group, a container without multicast on its loopback."""
+    import select
+    try:
+        receiver = multicast_receiver((group, 0), interface, 1 << 16)
+    except OSError as e:
+        return 0, str(e)
+    try:
+        port = receiver.getsockname()[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            multicast_sender(sender, interface)
+            sender.sendto(b"zerosum multicast probe", (group, port))
+        if not select.select([receiver], [], [], wait)[0] or receiver.recv(64) != b"zerosum multicast probe":
+            return 0, f"a datagram sent to {group}:{port} through {interface} did not arrive within {wait} s"
+        return port, None
+    except OSError as e:
+        return 0, f"cannot send to {group} through {interface}: {e.strerror or e}"
+    finally:
+        receiver.close()
+
+
 def is_multicast(address: str) -> bool:
     return 224 <= int(address.split(".")[0]) <= 239
 

@@ -431,3 +431,52 @@ def test_backend_work_objects_coalesced_allreduce_and_subgroups():
         assert np.array_equal(t, np.arange(500, dtype=np.float32) * 3) and np.array_equal(got, t)
         assert np.array_equal(m, np.full(3, 1.0))
         assert np.array_equal(parts[0], np.full(4, 3.0)) and np.array_equal(parts[1], np.full(2, 3.0))
+
+
+def _embedded_pair(setting, monkeypatch):
+    """Two ranks through worker_from_env without ZEROSUM_AGGREGATORS (rank 0 starts the aggregator), with
+    ZEROSUM_MULTICAST=setting: one exact allreduce; returns (what the store told the ranks, whether
+    each rank receives a group, the datagrams the aggregator sent)."""
+    import threading
+    import torch.distributed as dist
+    monkeypatch.delenv("ZEROSUM_AGGREGATORS", raising=False)
+    monkeypatch.setenv("ZEROSUM_MULTICAST", setting)
+    store = dist.HashStore()
+    x = [np.random.default_rng(r).standard_normal(1_000_000).astype(np.float32) for r in range(2)]
+    workers, locals_, out = [None, None], [None, None], [None, None]
+
+    def rank(r):     # open() waits for every rank's JOIN: the ranks start together
+        workers[r], locals_[r] = zt.worker_from_env(store, r, 2)
+        out[r] = workers[r].allreduce(x[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert all(np.array_equal(o, reference_allreduce(x, 256)) for o in out)
+        return (store.get("zerosum/multicast").decode(), [w.multicast is not None for w in workers],
+                locals_[0].snapshot()["datagrams_sent"])
+    finally:
+        for w in workers:
+            if w is not None:
+                w.close()
+        if locals_[0] is not None:
+            locals_[0].stop()
+
+
+def test_an_embedded_aggregator_sends_each_result_once_by_multicast_where_loopback_allows(monkeypatch):
+    """Without ZEROSUM_AGGREGATORS, rank 0 starts the aggregator on this host and, by default, has it send
+    each result once to a multicast group on loopback (where that works here: local.results_group) that
+    every rank joins, told through the store; ZEROSUM_MULTICAST=off sends to each rank. Sums exact both
+    ways; by multicast the aggregator sends about half the datagrams for two ranks."""
+    from zerosum.local import results_group
+    group, joined, by_group = _embedded_pair("auto", monkeypatch)
+    none, unjoined, to_each = _embedded_pair("off", monkeypatch)
+    assert none == "" and unjoined == [False, False]
+    if results_group("auto")[0] is None:
+        assert group == "" and joined == [False, False]
+        pytest.skip(f"multicast on loopback does not work here: {results_group('auto')[1]}")
+    assert group.startswith("239.255.77.1:") and joined == [True, True]
+    assert by_group < 0.6 * to_each, (by_group, to_each)

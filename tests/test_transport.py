@@ -236,3 +236,25 @@ def test_multicast_needs_a_multicast_address():
     import zerosum
     with pytest.raises(ValueError, match="not an IPv4 multicast address"):
         zerosum.Worker(0, 1, ["127.0.0.1:9"], multicast="10.0.0.1:5000")
+
+
+def test_results_go_by_multicast_on_loopback_where_it_works_and_to_each_worker_where_not(monkeypatch):
+    """local.results_group: "auto" takes a group on loopback when a datagram sent to it arrives here, and
+    falls back to unicast (saying why) when not; a group asked for by name must work or is an error."""
+    from zerosum import local
+    port, problem = T.multicast_problem(local.LOOPBACK_GROUP, "127.0.0.1")
+    assert (port > 0) == (problem is None)
+    assert T.multicast_problem(local.LOOPBACK_GROUP, "192.0.2.1")[1]     # no such interface here
+    assert local.results_group("off") == (None, "results to each worker (multicast off)")
+    with pytest.raises(ValueError, match="not an IPv4 multicast address"):
+        local.results_group("10.0.0.1:5000")
+    if problem is None:
+        assert local.results_group("239.1.2.3:5555")[0] == "239.1.2.3:5555"
+        assert local.results_group("auto")[0].startswith(local.LOOPBACK_GROUP + ":")
+    monkeypatch.setattr(T, "multicast_problem", lambda group, interface: (0, "no route"))
+    group, note = local.results_group("auto")
+    assert group is None and "does not work here: no route" in note
+    with pytest.raises(ValueError, match="no route"):
+        local.results_group("239.255.77.1")
+    monkeypatch.setenv("ZEROSUM_IO", "plain")
+    assert local.results_group("auto")[0] is None
