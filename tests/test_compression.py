@@ -670,6 +670,23 @@ def _tiny_problem(workers=2):
     return Problem(X, y, workers, lam=0.1)
 
 
+def test_a_worker_alone_reaches_its_own_shards_optimum_and_no_further():
+    """The no-exchange bound of E1-E3 (Problem.alone): worker i's own optimum is where its shard's
+    gradient vanishes, and its f − f* is positive when the shards differ, zero when they are the same."""
+    from compression import Problem, no_exchange_text
+    prob = _tiny_problem()
+    gaps = prob.alone()
+    assert gaps.shape == (2,) and (gaps > 1e-6).all()
+    for i, idx in enumerate(prob.shards):
+        x_i = Problem(prob.X[idx], prob.y[idx], 1, prob.lam).optimum()[0]
+        assert np.linalg.norm(prob.grad_i(x_i, i)) < 1e-10           # optimal for its own shard
+        assert np.isclose(prob.loss(x_i) - prob.optimum()[1], gaps[i])
+    twice = Problem(np.vstack([prob.X, prob.X]), np.concatenate([prob.y, prob.y]), 2, prob.lam)
+    assert np.allclose(twice.alone(), 0, atol=1e-12)                  # equal shards: alone is optimal
+    assert "above every target here" in no_exchange_text({2: gaps}, (gaps.min() / 2,))
+    assert "do not test the exchange" in no_exchange_text({2: gaps}, (gaps.min() * 2,))
+
+
 def test_the_sweep_covers_powers_of_two_and_every_block():
     from compression import levels_up_to
     assert levels_up_to(16) == [1, 2, 4, 8, 16]
