@@ -80,3 +80,24 @@ def test_the_best_level_in_hindsight_has_the_fewest_mean_bits_among_levels_that_
                   8: [(10, 105), (11, 105)]}         # mean 105 too: a tie goes to the level listed first
     assert cheapest_level(candidates) == (4, [(20, 100), (22, 110)])
     assert cheapest_level({1: [(None, 5)], 2: [(3, 1), (None, 1)]}) == (None, None)
+
+
+def test_e6a_compares_the_level_set_before_training_with_the_best_in_hindsight():
+    """E6a's levels table: per compressor, the stated level (τ = ⌈m/n⌉) and the level with the fewest mean
+    seconds among those that reach the target in every seed, with the ratio seed by seed."""
+    from end_to_end import families, levels_table
+    names = families(4, 16)
+    runs = {"gloo dense": [(230, 10.0, 1), (230, 10.0, 1)], "ZeroSum dense": [(230, 9.0, 2), (230, 9.0, 2)]}
+    secs = {1: (None, 30.0), 2: (300, 8.0), 4: (230, 9.0), 8: (230, 8.5)}       # τ = 1 misses in one seed
+    for family in ("top-k blocks + EF", "DIANA + random-k"):
+        for t, name in names[family][0].items():
+            steps, s = secs[t]
+            runs[name] = [(steps, s, 1000 * t), (230, s + 1, 1000 * t)]
+    for lv, name in names["QSGD"][0].items():
+        runs[name] = [(300, 12.0 / lv, 500), (300, 12.0 / lv, 500)]
+    table = levels_table(runs, 4, 16)
+    topk = next(r for r in table if r.startswith("| top-k"))
+    assert topk.split(" | ")[1:3] == ["4", "9.50 (9.00-10.00)"]             # τ = 4, stated before training
+    assert topk.split(" | ")[5] == "2" and topk.endswith("| 1.12× (1.11-1.12) |")   # best: τ = 2, 8.5 s mean
+    qsgd = next(r for r in table if r.startswith("| QSGD"))
+    assert qsgd.split(" | ")[1] == "—" and qsgd.split(" | ")[5] == "16" and qsgd.endswith("| — |")
