@@ -476,9 +476,9 @@ def run_from_args(args) -> int:
     plan = {"densities": args.densities, "size": args.size, "block_size": args.block_size,
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
-            "max_datagram": args.max_datagram, "mtu": args.mtu, "multicast": args.multicast,
+            "max_datagram": args.max_datagram, "mtu": args.mtu,
             "window": args.window, "congestion": args.congestion, "device": args.device}
-    plan["multicast"], multicast_note = resolve_multicast(args.multicast, args.mtu)
+    plan["multicast"], multicast_note = resolve_multicast(args.multicast, args.mtu)   # GROUP:PORT or None
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
