@@ -873,8 +873,8 @@ def baseline_findings(draws) -> list[str]:
         label = COST_LABELS[model][0].upper() + COST_LABELS[model][1:]
         if all(c["best"] == c["dense"] for c in rows):
             # against what a user without ZeroSum sends: dense GD's values alone (the payload cost of k = d)
-            plain = [c["tracker"] / compare(r, "payload")["dense"] for c, r in zip(rows, draws)
-                     if c.get("tracker") and compare(r, "payload")["dense"]]
+            dense_plain = [compare(r, "payload")["dense"] for r in draws]
+            plain = [c["tracker"] / d for c, d in zip(rows, dense_plain) if c.get("tracker") and d]
             out.append(f"- {label}: sending everything uncompressed is the best fixed level in every run (a 1-value "
                        f"block costs a 16-byte entry beside its 4 bytes); the tracker stays there "
                        f"({ratio_range(ratio('tracker', 'best'))} of it), and so does the one-step rule. With ZeroSum, "

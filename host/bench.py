@@ -190,13 +190,13 @@ def resolve_multicast(setting: str, mtu: int | None) -> tuple[str | None, str]:
     """--multicast: on loopback, local.results_group (auto: by multicast where it works here); on veth
     links (--mtu) a GROUP given is used at port 48900 (every aggregator sends there, the workers tell
     them apart by source address), and auto means results to each worker."""
-    from .local import OFF, results_group
+    from .local import named_group, results_group
     if not mtu:
         return results_group(setting)
-    setting = setting.strip().lower()
-    if setting in ("auto", *OFF):
+    group = named_group(setting)
+    if group is None:
         return None, "results to each worker"
-    group = setting if ":" in setting else f"{setting}:48900"
+    group = group if ":" in group else f"{group}:48900"
     return group, f"results by multicast to {group}"
 
 

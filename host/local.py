@@ -93,6 +93,12 @@ LOOPBACK_GROUP = "239.255.77.1"   # administratively scoped (RFC 2365); sent wit
 OFF = ("", "off", "none")
 
 
+def named_group(setting: str | None) -> str | None:
+    """The group a setting names where ZeroSum does not start the aggregator on loopback itself (given
+    aggregators, veth links): auto and off mean results to each worker, anything else is the group."""
+    return None if setting is None or setting.strip().lower() in ("auto", *OFF) else setting.strip()
+
+
 def results_group(setting: str | None = "auto", interface: str = "127.0.0.1") -> tuple[str | None, str]:
     """The multicast group that an aggregator ZeroSum starts on this host should send its results to
     (LocalAggregator's and Worker's `multicast`), from a setting (`--multicast`, ZEROSUM_MULTICAST):

@@ -886,8 +886,8 @@ def worker_from_env(store, rank: int, world_size: int):
     if env:
         aggregators = [a.strip() for a in env.split(",") if a.strip()]
         job = int(os.environ.get("ZEROSUM_JOB", 1))
-        from .local import OFF        # "auto" picks a group only for an aggregator started here
-        multicast = None if multicast.strip().lower() in ("auto", *OFF) else multicast
+        from .local import named_group     # "auto" picks a group only for an aggregator started here
+        multicast = named_group(multicast)
     else:
         if rank == 0:
             # Protected by default: a fresh secret that only this job's ranks learn, through the store

@@ -246,6 +246,9 @@ def test_results_go_by_multicast_on_loopback_where_it_works_and_to_each_worker_w
     assert (port > 0) == (problem is None)
     assert T.multicast_problem(local.LOOPBACK_GROUP, "192.0.2.1")[1]     # no such interface here
     assert local.results_group("off") == (None, "results to each worker (multicast off)")
+    # where ZeroSum does not start the aggregator on loopback, only a group given by name is used
+    assert [local.named_group(v) for v in (None, "auto", " OFF", "none", "", "239.1.2.3:5555 ")] == \
+        [None, None, None, None, None, "239.1.2.3:5555"]
     with pytest.raises(ValueError, match="not an IPv4 multicast address"):
         local.results_group("10.0.0.1:5000")
     if problem is None:
