@@ -2,6 +2,7 @@
 gradients side by side (zerosum.examples.schemes), on loopback or over rate-limited links.
 
     sudo python3 experiments/training_schemes.py e6              # compressors, 1 Gbit/s links (~25 min a seed)
+    sudo python3 experiments/training_schemes.py e6levels        # E6's compressors at other levels
     sudo python3 experiments/training_schemes.py s1              # local SGD periods
     sudo python3 experiments/training_schemes.py s3              # one-step delayed gradients (s1's run
                                                                  # trains them too and writes S3's section)
@@ -77,6 +78,12 @@ EXPERIMENTS = {
                      "density 0.01 with its warm-up (`dgc:0.01`), QSGD with 4 levels, TernGrad, scaled sign "
                      "with error feedback (`efsign`), DIANA over random-k blocks with tau = ceil(m/W) "
                      "(`diana:1`), against uncompressed ZeroSum and gloo's ring allreduce"),
+    "e6levels": Experiment("E6 levels", "the best fixed level in hindsight", "compression.md",
+                           "zerosum,topk:0.003,topk:0.03,topk:0.1,dgc:0.03,dgc:0.1,qsgd:2,qsgd:16", 300,
+                           "each compressor of E6 that has a level at levels around E6's (which were set before "
+                           "training: density 0.01 for top-k and DGC, 4 levels for QSGD), through the same DDP "
+                           "hook, with uncompressed ZeroSum, whose run sets the target as in E6; a model's "
+                           "command names its list where it is not this default"),
     "s1": Experiment("S1", "periodic model averaging (local SGD)", "sync.md",
                      "local,gloo,zerosum,localsgd:2:10,localsgd:4:10,localsgd:8:10,localsgd:16:10,delayed", 300,
                      "post-local SGD (zerosum.sync.PostLocalSGDState + PeriodicModelAverager): 10 warm-up steps "

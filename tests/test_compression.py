@@ -745,6 +745,15 @@ def test_e2_steps_and_bits_are_what_iterations_to_returns():
         assert steps_and_bits(run(prob, make(), cap, 1 / (2 * L), 2, eps), eps) == expected
 
 
+def test_e2_steps_over_seeds_say_how_many_seeds_reached_the_target():
+    from compression import mean_if_reached, steps_over_seeds
+    assert steps_over_seeds([767, 767, 767]) == "767"
+    assert steps_over_seeds([1530, 1500, 1620]) == "1550 (1500–1620)"
+    assert steps_over_seeds([None, None, None]) == "—"
+    assert steps_over_seeds([1000, None, 1200]) == "1100 (1000–1200) in 2 of 3 seeds"
+    assert mean_if_reached([1000, 1200]) == 1100.0 and mean_if_reached([1000, None]) is None
+
+
 def test_e5_counts_zerosum_bytes_and_block_values_with_indices_and_epochs_to_the_target():
     from dgc import BLOCK, step_bits, to_target
     own = np.zeros(10 * BLOCK + 3, np.float32)

@@ -75,10 +75,18 @@ def test_scheme_names_parse_or_fail_clearly():
     assert S.parse("tracked").args == () and S.parse("tracked").compressor(2, 0, 0).segment_steps == 4
     assert S.parse("tracked:8").compressor(2, 0, 0).segment_steps == 8 and S.parse("tracked").density(2) is None
     assert S.parse("tracked:4:0.01").compressor(2, 0, 0).start_density == 0.01
+    # DGC's momentum correction: the paper's 0.9, or none where the optimiser has its own (Adam)
+    assert S.parse("dgc:0.01").compressor(2, 0, 0).m == 0.9 and S.parse("dgc:0.01").carries_momentum
+    assert S.parse("dgc:0.01:0").compressor(2, 0, 0).m == 0.0 and not S.parse("dgc:0.01:0").carries_momentum
+    from zerosum.examples.harness import optimizer_for
+    assert optimizer_for(S.parse("dgc:0.01"), "momentum") == "sgd"
+    assert optimizer_for(S.parse("dgc:0.01:0"), "momentum") == "momentum"
+    assert optimizer_for(S.parse("dgc:0.01:0"), "adam") == "adam"
     for bad, words in [("topk", "takes 1"), ("topk:2", "density"), ("qsgd:2.5", "levels"), ("fancy", "unknown"),
                        ("localsgd:0", "period"), ("localsgd:2:-1", "warm-up"), ("delayed:1", "takes 0"),
                        ("topk:x", "numbers"), ("tracked:0", "segment"), ("tracked:1:2", "starting density"),
-                       ("tracked:1:0.1:3", "takes 0 to 2")]:
+                       ("tracked:1:0.1:3", "takes 0 to 2"), ("dgc:0.01:1", "momentum correction"),
+                       ("dgc:0.01:0.9:1", "takes 1 to 2")]:
         with pytest.raises(ValueError, match=words):
             S.parse(bad)
     with pytest.raises(ValueError, match="twice"):

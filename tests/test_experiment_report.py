@@ -101,3 +101,11 @@ def test_e6a_compares_the_level_set_before_training_with_the_best_in_hindsight()
     assert topk.split(" | ")[5] == "2" and topk.endswith("| 1.12× (1.11-1.12) |")   # best: τ = 2, 8.5 s mean
     qsgd = next(r for r in table if r.startswith("| QSGD"))
     assert qsgd.split(" | ")[1] == "—" and qsgd.split(" | ")[5] == "16" and qsgd.endswith("| — |")
+
+
+def test_every_training_schemes_experiment_names_schemes_that_parse_and_sets_its_target():
+    from training_schemes import EXPERIMENTS
+    from zerosum.examples.schemes import parse_list
+    for exp in EXPERIMENTS.values():
+        names = [s.text for s in parse_list(exp.schemes)]
+        assert "zerosum" in names, exp.key        # every-step ZeroSum's run sets the target loss

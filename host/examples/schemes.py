@@ -12,7 +12,9 @@ several side by side (`--schemes local,gloo,zerosum,topk:0.01,localsgd:8`).
                      measured decrease of log ||result||² per bit, segments of S first steps' bits
                      (default 4), starting dense or from density D (a level chosen before training,
                      e.g. 0.01; TrackedTopKBlocks, a LevelTracker per bucket)
-    dgc:D            ZeroSum + deep gradient compression, final density D (DGC, its warm-up schedule)
+    dgc:D[:M]        ZeroSum + deep gradient compression, final density D (DGC, its warm-up schedule),
+                     momentum correction M (default 0.9, the paper's); M = 0 leaves the momentum to
+                     an optimiser that has its own (Adam's first moment), so that it is not applied twice
     qsgd:S           ZeroSum + QSGD with S levels (QSGD)
     terngrad         ZeroSum + TernGrad (TernGrad)
     efsign           ZeroSum + scaled sign with error feedback (SignEF)
@@ -71,8 +73,14 @@ class Scheme:
     @property
     def carries_momentum(self) -> bool:
         """DGC's momentum correction is the momentum (Lin et al. 2018, eq. (7)): it runs with plain SGD
-        where the other schemes run momentum SGD, so that every row trains with the same optimiser."""
-        return self.kind == "dgc"
+        where the other schemes run momentum SGD, so that every row trains with the same optimiser
+        (not with dgc:D:0, which has no correction)."""
+        return self.kind == "dgc" and self.dgc_momentum > 0
+
+    @property
+    def dgc_momentum(self) -> float:
+        """DGC's momentum correction factor (dgc:D:M; 0.9 by default, Lin et al.'s)."""
+        return self.args[1] if len(self.args) > 1 else 0.9
 
     def density(self, world: int) -> float | None:
         """The share of blocks a worker keeps under a sparsifier (topk, dgc; diana's random-k: about
@@ -92,7 +100,7 @@ class Scheme:
         if self.kind == "tracked":
             return C.TrackedTopKBlocks(**dict(zip(("segment_steps", "start_density"), a)))
         if self.kind == "dgc":
-            return C.DGC(density=a[0], world=world, seed=seed)
+            return C.DGC(density=a[0], momentum=self.dgc_momentum, world=world, seed=seed)
         if self.kind == "qsgd":
             return C.QSGD(levels=int(a[0]), seed=seed, rank=rank)
         if self.kind == "terngrad":
@@ -154,7 +162,7 @@ def _no_communication(state, bucket):
     return fut
 
 
-_ARITY = {"topk": (1, 1), "tracked": (0, 2), "dgc": (1, 1), "qsgd": (1, 1), "diana": (1, 1), "localsgd": (1, 2)}
+_ARITY = {"topk": (1, 1), "tracked": (0, 2), "dgc": (1, 2), "qsgd": (1, 1), "diana": (1, 1), "localsgd": (1, 2)}
 
 
 def parse(text: str) -> Scheme:
@@ -176,6 +184,8 @@ def parse(text: str) -> Scheme:
         raise ValueError(f"scheme {text!r}: {'levels' if kind == 'qsgd' else 'the period'} must be a positive integer")
     if kind == "localsgd" and len(args) > 1 and (args[1] < 0 or args[1] != int(args[1])):
         raise ValueError(f"scheme {text!r}: the warm-up must be a non-negative integer")
+    if kind == "dgc" and len(args) > 1 and not 0 <= args[1] < 1:
+        raise ValueError(f"scheme {text!r}: the momentum correction must be in [0, 1)")
     if kind == "diana" and args[0] <= 0:
         raise ValueError(f"scheme {text!r}: the share must be positive")
     if kind == "tracked" and args and not args[0] > 0:
