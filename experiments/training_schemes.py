@@ -297,7 +297,10 @@ def with_earlier_models(result: dict, path: Path) -> dict:
             models[name] = m
         elif (set(m["seeds"]).isdisjoint(new["seeds"]) and m.get("settings") == new.get("settings")
               and _schemes(m) == _schemes(new)):
-            models[name] = {**new, **{k: m[k] + new[k] for k in ("seeds", "targets", "runs")}}
+            models[name] = {**new, **{k: m[k] + new[k] for k in ("seeds", "targets", "runs")},
+                            # drops over every run: each run's counters start at zero
+                            **{k: m[k] + new[k] for k in ("shaper_drops", "socket_buffer_drops")
+                               if m.get(k) is not None and new.get(k) is not None}}
     return {**result, "models": {**result["models"], **models}}
 
 
@@ -378,7 +381,7 @@ def section(exp: Experiment, result: dict, name: str) -> list[str]:
              f"; data: [{name}.json]({name}.json).", ""]
     for example, m in result["models"].items():
         drops = "" if m["shaper_drops"] is None else \
-            f" Packets the shapers dropped over the run: {m['shaper_drops']}; socket-buffer drops: {m['socket_buffer_drops']}."
+            f" Packets the shapers dropped over the runs: {m['shaper_drops']}; socket-buffer drops: {m['socket_buffer_drops']}."
         seeds = ", ".join(str(x) for x in m["seeds"])
         command = f"`python3 experiments/training_schemes.py {m['command']}`: " if m.get("command") else ""
         lines += [f"**{example}** ({command}`{' '.join(m['settings'])}`; seeds {seeds}).{drops}", "",

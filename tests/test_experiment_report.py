@@ -65,6 +65,15 @@ def test_a_model_trained_again_with_other_seeds_adds_them(tmp_path):
     new = {"seeds": [1, 2], "targets": [0.31, 0.32], "runs": [b, b], "settings": ["--lr", "1"]}
     merged = with_earlier_models({**settings, "models": {"mlp": new}}, earlier)["models"]["mlp"]
     assert (merged["seeds"], merged["targets"], merged["runs"]) == ([0, 1, 2], [0.3, 0.31, 0.32], [a, b, b])
+    # the drops counted in each run add up (loopback runs count none)
+    earlier.write_text(json.dumps({**settings, "models": {"mlp": {
+        "seeds": [0], "targets": [0.3], "runs": [a], "settings": ["--lr", "1"], "shaper_drops": 197,
+        "socket_buffer_drops": None}}}))
+    merged = with_earlier_models({**settings, "models": {"mlp": {**new, "shaper_drops": 3, "socket_buffer_drops": 0}}},
+                                 earlier)["models"]["mlp"]
+    assert (merged["shaper_drops"], merged["socket_buffer_drops"]) == (200, 0)
+    earlier.write_text(json.dumps({**settings, "models": {"mlp": {
+        "seeds": [0], "targets": [0.3], "runs": [a], "settings": ["--lr", "1"]}}}))
     # the same seed again, other options or other schemes: this run replaces the earlier one
     for changed in ({"seeds": [0], "targets": [0.31], "runs": [b]}, {"settings": ["--lr", "2"]},
                     {"runs": [[_row("gloo", 1, 1, 1, 1)]] * 2}):
