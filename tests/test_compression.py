@@ -794,3 +794,28 @@ def test_e5_one_worker_training_alone_is_dense_sgd_bit_for_bit():
     (dense_acc, dense_bits), (alone_acc, alone_bits) = runs[1, False], runs[1, True]
     assert alone_acc == dense_acc and all(b.sum() > 0 for b in dense_bits) and not np.any(alone_bits)
     assert runs[3, True][0] != runs[3, False][0]                           # with 3 workers exchange matters
+
+
+def test_e4_held_out_runs_are_read_as_ranges_over_all_samples_and_the_draws():
+    from adaptive_sparsification import check_finding, check_report, check_runs
+
+    def run(seed, keep, tracker, best=100.0):
+        d = 8
+        bits = lambda v: {"steps": 10, "bits": {"check": v}, "k_mean": 3.0}
+        runs = {f"k={k}": bits(best + abs(k - 4)) for k in (1, 2, 4, 8)}      # k = 4 is the best
+        runs["k=8"] = bits(150.0)                                               # dense
+        runs |= {"greedy[check]": bits(120.0), "tracker[check]": bits(tracker),
+                 "tracker-PL[check]": bits(best * 1.02), "tracker-f*[check]": bits(best)}
+        return {"dataset": "a9a", "lam": 0.01, "eps": 1e-6, "d": d, "cost": "39k + 32 bits", "seed": seed,
+                "keep": keep, "runs": runs}
+    stored = run(None, 1.0, 110.0)
+    assert check_runs(stored) == [stored] and check_runs(None) == []          # a file from before the draws
+    runs = [run(1, 0.9, 104.0), stored, run(0, 0.9, 101.0)]
+    assert [r["seed"] for r in check_runs(runs)] == [None, 0, 1]                 # all samples first
+    text = check_finding(runs)
+    assert "3 runs: all samples; 90% of them, seed 0; 90% of them, seed 1" in text
+    assert "the tracker needs 1.01–1.10× the bits of the best fixed k (k = 4)" in text
+    assert "0.67–0.73× those of dense GD" in text and "missed: 1 of 3 runs above 1.05× the best" in text
+    table = check_report(runs)
+    assert [line.split(" | ")[0] for line in table[-3:]] == ["| all samples", "| 90% of them, seed 0",
+                                                             "| 90% of them, seed 1"]
