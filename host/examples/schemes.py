@@ -75,12 +75,7 @@ class Scheme:
         """DGC's momentum correction is the momentum (Lin et al. 2018, eq. (7)): it runs with plain SGD
         where the other schemes run momentum SGD, so that every row trains with the same optimiser
         (not with dgc:D:0, which has no correction)."""
-        return self.kind == "dgc" and self.dgc_momentum > 0
-
-    @property
-    def dgc_momentum(self) -> float:
-        """DGC's momentum correction factor (dgc:D:M; 0.9 by default, Lin et al.'s)."""
-        return self.args[1] if len(self.args) > 1 else 0.9
+        return self.kind == "dgc" and (len(self.args) < 2 or self.args[1] > 0)
 
     def density(self, world: int) -> float | None:
         """The share of blocks a worker keeps under a sparsifier (topk, dgc; diana's random-k: about
@@ -100,7 +95,8 @@ class Scheme:
         if self.kind == "tracked":
             return C.TrackedTopKBlocks(**dict(zip(("segment_steps", "start_density"), a)))
         if self.kind == "dgc":
-            return C.DGC(density=a[0], momentum=self.dgc_momentum, world=world, seed=seed)
+            # dgc:D:M sets the correction; without M, DGC's own default (the paper's 0.9)
+            return C.DGC(density=a[0], world=world, seed=seed, **({"momentum": a[1]} if len(a) > 1 else {}))
         if self.kind == "qsgd":
             return C.QSGD(levels=int(a[0]), seed=seed, rank=rank)
         if self.kind == "terngrad":
