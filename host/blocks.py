@@ -12,6 +12,7 @@ import numpy as np
 
 from . import kernels
 from .protocol import INT_EXP, MAX_BLOCKS, NO_EXP
+from .worker_state import N_COUNTS
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
 
@@ -180,7 +181,7 @@ class CollectedBlocks:
         self._allocate = allocate
         # the kernel's counters: duplicates, rows used, columns done, blocks of the sum with data, and the
         # congestion controller's samples of the last datagram (kernels.apply_datagram)
-        self.count = np.zeros(kernels.N_COUNTS, np.int64)
+        self.count = np.zeros(N_COUNTS, np.int64)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:

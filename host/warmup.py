@@ -14,6 +14,7 @@ import itertools
 
 import numpy as np
 
+from . import congestion as CC
 from . import kernels as K
 from .aggregator_machine import AggregatorMachine
 from .blocks import BlockSource, CollectedBlocks, DenseResult
@@ -63,8 +64,8 @@ def warm_up() -> None:
             m.poll(0.0)
             # what the machines call from Python only later: on an allreduce that starts from the last
             # one's round-trip estimate, on a loss, for the pacer's report (this machine is done with)
-            K.update_rto(m.st)
-            K.on_loss(m.st, 0.0)
+            CC.update_rto(m.st)
+            CC.on_loss(m.st, 0.0)
             m.pacing
     _warm_up_transport(B)
     _done = True

@@ -16,6 +16,7 @@ from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
 from .errors import AggregatorSilent, ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
 from . import kernels as K
+from . import worker_state as WS
 from . import transport as T
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import DELAY_TARGET, AllreduceMachine, JoinMachine, WorkerConfig
@@ -496,7 +497,7 @@ class Worker:
             self._run(m)
             self._path = m.path
             # (the path's window: an allreduce that ended in a drain (R-C8) held 2 entries only for it)
-            self.stats.window = int(self._path.cwnd) if m.st.i[K.I_CONGESTION] else m.window_columns * (
+            self.stats.window = int(self._path.cwnd) if m.st.i[WS.I_CONGESTION] else m.window_columns * (
                 P.ENTRY_SIZE + 4 * self.block_size)
             self.stats.srtt, self.stats.min_rtt = m.srtt, (m.path.min_rtt if np.isfinite(m.path.min_rtt) else None)
             cuts = m.window_cuts
@@ -513,7 +514,7 @@ class Worker:
         received datagrams applied, ready rounds sent with sendmmsg/GSO, waits on the socket until the
         machine's timer), entering Python only for probes, retransmissions, violations and growing a
         sink; where batched I/O is not available, through the machine's Python interface."""
-        before = m.st.i[K.I_DATAGRAMS_SENT], m.st.i[K.I_BYTES_RECEIVED], m.st.i[K.I_DATAGRAMS_RECEIVED]
+        before = m.st.i[WS.I_DATAGRAMS_SENT], m.st.i[WS.I_BYTES_RECEIVED], m.st.i[WS.I_DATAGRAMS_RECEIVED]
         try:
             if self._features.batched:
                 self._run_compiled(m)
@@ -521,9 +522,9 @@ class Worker:
                 self._run_python(m)
         finally:
             i = m.st.i
-            self.stats.datagrams_sent += int(i[K.I_DATAGRAMS_SENT] - before[0])
-            self.stats.bytes_received += int(i[K.I_BYTES_RECEIVED] - before[1])
-            self.stats.datagrams_received += int(i[K.I_DATAGRAMS_RECEIVED] - before[2])
+            self.stats.datagrams_sent += int(i[WS.I_DATAGRAMS_SENT] - before[0])
+            self.stats.bytes_received += int(i[WS.I_BYTES_RECEIVED] - before[1])
+            self.stats.datagrams_received += int(i[WS.I_DATAGRAMS_RECEIVED] - before[2])
             self.stats.bytes_sent += m.bytes_sent
             self.stats.retransmitted_entries += m.retransmitted
             self.stats.probes += m.probes
@@ -546,9 +547,9 @@ class Worker:
                 return
             now = time.monotonic()
             if outcome == K.PROBE:
-                m.probe_answered(int(m.st.i[K.I_EVENT_AGG]), now)
+                m.probe_answered(int(m.st.i[WS.I_EVENT_AGG]), now)
             elif outcome == K.VIOLATION:
-                m.fail(int(m.st.i[K.I_VIOLATION]), int(m.st.i[K.I_EVENT_AGG]))      # R-L4: raises
+                m.fail(int(m.st.i[WS.I_VIOLATION]), int(m.st.i[WS.I_EVENT_AGG]))      # R-L4: raises
             elif outcome == K.TIMER:
                 self._send_all(m.poll(now))   # retransmissions (rare: Python's sends will do)
 

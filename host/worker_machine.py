@@ -14,7 +14,8 @@ Per column the worker keeps the block of the current round and its agreed expone
 its own next non-zero block in the column. In each round it sends one entry per column: the data of the
 round's block if it is its own next non-zero block, otherwise a header-only entry; either way carrying
 its next non-zero block index after the round's block (docs/protocol.md, "A round"). The per-entry work
-(quantise and encode, decode and dequantise into the output) is in zerosum.kernels.
+(quantise and encode, decode and dequantise into the output) is in zerosum.kernels, the timers, the
+congestion window and the pacer in zerosum.congestion, over the record of zerosum.worker_state.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import congestion as CC
 from . import kernels as K
 from . import protocol as P
+from . import worker_state as WS
 from .blocks import BlockSource, CollectedBlocks, DenseResult
 from .errors import AggregatorSilent, ProtocolViolation, ZeroSumRefused, ZeroSumTimeout
 from .fixedpoint import precision_bits
@@ -172,7 +175,7 @@ class JoinMachine:
 
 
 class AllreduceMachine:
-    """One allreduce. Its state is one record of arrays (kernels.WorkerState, `self.st`), which the
+    """One allreduce. Its state is one record of arrays (worker_state.WorkerState, `self.st`), which the
     kernels update: per column the block of the current round and its agreed exponent, a pointer to the
     worker's own next non-zero block in the column, the retransmission timer; per aggregator the probe
     and when it was last heard. The Python methods below are the sans-IO driver interface; Worker's
@@ -203,12 +206,12 @@ class AllreduceMachine:
         cap = np.inf if config.window in (None, "auto") else float(config.window)
         congestion = config.window is not None and config.congestion
         fresh = path is None or path.srtt is None
-        cwnd = float(K.INITIAL_WINDOW * entry) if fresh else path.cwnd
+        cwnd = float(CC.INITIAL_WINDOW * entry) if fresh else path.cwnd
         window = (S if config.window is None else
                   int(min(S, max(1, min(cwnd, cap) // entry))) if congestion else
                   int(min(S, max(1, cap // entry))))
         per_data = 4 * self.B
-        self.st = K.WorkerState(
+        self.st = WS.WorkerState(
             hdr=np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64),
             round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
             mine_pos=starts[:-1].astype(np.int64), col_stop=starts[1:].astype(np.int64),
@@ -223,36 +226,36 @@ class AllreduceMachine:
             # datagrams are built here: at most one per column, each at most max_datagram bytes
             out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
-            counts=output.count if output.collect else np.zeros(K.N_COUNTS, np.int64),
+            counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
-                        0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, K.DRAIN_PERIOD,
+                        0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
                         -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
                         0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
                         0.0 if fresh else path.other_queue], np.float64),
-            i=np.zeros(K.N_I, np.int64), drops=np.zeros(len(K.WORKER_DROPS), np.int64))
+            i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         i = self.st.i
-        i[K.I_CONGESTION] = congestion
-        i[K.I_PACING] = congestion and config.pacing
-        i[K.I_REO_MULT] = 1 if fresh else path.reorder
-        i[K.I_COMPETITIVE] = 0 if fresh else path.competitive
-        i[K.I_ENTRY] = entry
-        i[K.I_ADMITTED] = S if window >= S else 0
-        i[K.I_WINDOW] = window
-        i[K.I_REMAINING] = S
-        i[K.I_IS_INT] = source.is_int
-        i[K.I_PRECISION] = precision_bits(config.world)
-        i[K.I_COLLECT] = output.collect
-        i[K.I_MAX_DATAGRAM] = config.max_datagram
-        i[K.I_MAX_ENTRIES] = config.max_entries
-        i[K.I_SOURCE_N] = source.n_values
+        i[WS.I_CONGESTION] = congestion
+        i[WS.I_PACING] = congestion and config.pacing
+        i[WS.I_REO_MULT] = 1 if fresh else path.reorder
+        i[WS.I_COMPETITIVE] = 0 if fresh else path.competitive
+        i[WS.I_ENTRY] = entry
+        i[WS.I_ADMITTED] = S if window >= S else 0
+        i[WS.I_WINDOW] = window
+        i[WS.I_REMAINING] = S
+        i[WS.I_IS_INT] = source.is_int
+        i[WS.I_PRECISION] = precision_bits(config.world)
+        i[WS.I_COLLECT] = output.collect
+        i[WS.I_MAX_DATAGRAM] = config.max_datagram
+        i[WS.I_MAX_ENTRIES] = config.max_entries
+        i[WS.I_SOURCE_N] = source.n_values
         if not fresh:
-            self.st.f[K.F_SRTT], self.st.f[K.F_RTTVAR] = path.srtt, path.rttvar
-            i[K.I_HAS_SRTT] = 1
-            K.update_rto(self.st)
-            self.st.rto[:] = self.st.f[K.F_BASE_RTO]
+            self.st.f[WS.F_SRTT], self.st.f[WS.F_RTTVAR] = path.srtt, path.rttvar
+            i[WS.I_HAS_SRTT] = 1
+            CC.update_rto(self.st)
+            self.st.rto[:] = self.st.f[WS.F_BASE_RTO]
         self.columns_of = [np.arange(a, S, A) for a in range(A)]
         self._quiet = np.zeros(A, bool)
         self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
@@ -266,10 +269,10 @@ class AllreduceMachine:
     ready = property(lambda self: self.st.ready)
     last_heard = property(lambda self: self.st.last_heard)
     probe = property(lambda self: self.st.probe)
-    admitted = property(lambda self: int(self.st.i[K.I_ADMITTED]))
-    base_rto = property(lambda self: float(self.st.f[K.F_BASE_RTO]))
-    bytes_sent = property(lambda self: int(self.st.i[K.I_BYTES_SENT]))
-    remaining = property(lambda self: int(self.st.i[K.I_REMAINING]))
+    admitted = property(lambda self: int(self.st.i[WS.I_ADMITTED]))
+    base_rto = property(lambda self: float(self.st.f[WS.F_BASE_RTO]))
+    bytes_sent = property(lambda self: int(self.st.i[WS.I_BYTES_SENT]))
+    remaining = property(lambda self: int(self.st.i[WS.I_REMAINING]))
     # blocks of the sum that hold data so far: the union of the ranks' non-zero blocks, identical on every
     # rank once the allreduce is done
     union_blocks = property(lambda self: int(self.st.counts[3]))
@@ -277,67 +280,67 @@ class AllreduceMachine:
     @property
     def window_columns(self) -> int:
         """The window in columns now (R-L6; the congestion window's, R-C5)."""
-        return int(self.st.i[K.I_WINDOW])
+        return int(self.st.i[WS.I_WINDOW])
 
     @property
     def cwnd(self) -> float:
         """The congestion window in bytes (R-C1..R-C4)."""
-        return float(self.st.f[K.F_CWND])
+        return float(self.st.f[WS.F_CWND])
 
     @property
     def window_cuts(self) -> tuple[int, int]:
         """How often the congestion window was cut for delay (R-C3) and for loss (R-C4)."""
-        return int(self.st.i[K.I_DELAY_CUTS]), int(self.st.i[K.I_LOSS_CUTS])
+        return int(self.st.i[WS.I_DELAY_CUTS]), int(self.st.i[WS.I_LOSS_CUTS])
 
     @property
     def pacing(self) -> tuple[float, float]:
         """The pacer's rate in bytes per second and its bucket in bytes (R-C7); (inf, inf) when off."""
-        rate = float(K.pacing_rate(self.st))
-        return (rate, float(K.pacing_burst(self.st, rate))) if np.isfinite(rate) else (np.inf, np.inf)
+        rate = float(CC.pacing_rate(self.st))
+        return (rate, float(CC.pacing_burst(self.st, rate))) if np.isfinite(rate) else (np.inf, np.inf)
 
     @property
     def ecn_marks(self) -> int:
         """Datagrams that came with an ECN mark, echoed in the CONGESTION flag or their own CE (R-C6)."""
-        return int(self.st.i[K.I_MARKS])
+        return int(self.st.i[WS.I_MARKS])
 
     @property
     def drains(self) -> int:
         """Drains of the congestion window in this allreduce (R-C8)."""
-        return int(self.st.i[K.I_DRAINS])
+        return int(self.st.i[WS.I_DRAINS])
 
     @property
     def spurious_entries(self) -> int:
         """Resent entries that the aggregator answered with STATUS: it held them already (R-C4)."""
-        return int(self.st.i[K.I_SPURIOUS])
+        return int(self.st.i[WS.I_SPURIOUS])
 
     @property
     def path(self) -> PathEstimate:
         """What this allreduce learnt about the path, for the next one."""
         f = self.st.f
-        draining = f[K.F_DRAIN_END] > -np.inf       # an allreduce that ends while draining: the saved window
-        cwnd = max(f[K.F_CWND], f[K.F_DRAIN_CWND]) if draining else f[K.F_CWND]
-        return PathEstimate(self.srtt, float(f[K.F_RTTVAR]), float(cwnd), float(f[K.F_SSTHRESH]),
-                            float(f[K.F_MIN_RTT]), int(self.st.i[K.I_REO_MULT]), float(f[K.F_DRAIN_SLOT]),
-                            int(self.st.i[K.I_COMPETITIVE]), float(f[K.F_HOST_WAIT]), float(f[K.F_HOST_WAIT_AT]),
-                            float(f[K.F_OTHER_QUEUE]))
+        draining = f[WS.F_DRAIN_END] > -np.inf       # an allreduce that ends while draining: the saved window
+        cwnd = max(f[WS.F_CWND], f[WS.F_DRAIN_CWND]) if draining else f[WS.F_CWND]
+        return PathEstimate(self.srtt, float(f[WS.F_RTTVAR]), float(cwnd), float(f[WS.F_SSTHRESH]),
+                            float(f[WS.F_MIN_RTT]), int(self.st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
+                            int(self.st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
+                            float(f[WS.F_OTHER_QUEUE]))
 
     @property
     def srtt(self):
-        return float(self.st.f[K.F_SRTT]) if self.st.i[K.I_HAS_SRTT] else None
+        return float(self.st.f[WS.F_SRTT]) if self.st.i[WS.I_HAS_SRTT] else None
 
     @property
     def rttvar(self) -> float:
-        return float(self.st.f[K.F_RTTVAR])
+        return float(self.st.f[WS.F_RTTVAR])
 
     @property
     def last_progress(self):
-        t = float(self.st.f[K.F_LAST_PROGRESS])
+        t = float(self.st.f[WS.F_LAST_PROGRESS])
         return None if np.isnan(t) else t
 
     @property
     def drops(self) -> dict[str, int]:
         """What this worker dropped, by reason (counts above zero)."""
-        return {name: int(n) for name, n in zip(K.WORKER_DROPS, self.st.drops.tolist()) if n}
+        return {name: int(n) for name, n in zip(WS.WORKER_DROPS, self.st.drops.tolist()) if n}
 
     # -- queries ------------------------------------------------------------------------------------
     @property
@@ -359,10 +362,10 @@ class AllreduceMachine:
     # -- events -------------------------------------------------------------------------------------
     def begin(self, now: float) -> None:
         """Begin the allreduce: every column's bootstrap round is ready to send."""
-        self.st.f[K.F_LAST_PROGRESS] = now
+        self.st.f[WS.F_LAST_PROGRESS] = now
         self.st.last_heard[:] = now
         self.st.ready[:] = True
-        self.st.i[K.I_REMAINING] = self.layout.columns
+        self.st.i[WS.I_REMAINING] = self.layout.columns
 
     def start(self, now: float) -> list[tuple[int, memoryview]]:
         """Begin the allreduce and return the bootstrap round of every column."""
@@ -397,7 +400,7 @@ class AllreduceMachine:
         if self.done:
             return []
         st = self.st
-        if st.i[K.I_PACE_HELD] and now < K.recovery_timer(st):
+        if st.i[WS.I_PACE_HELD] and now < K.recovery_timer(st):
             return self.flush(now)
         if self.last_progress + self.cfg.timeout <= now:   # R-L5; the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
@@ -425,7 +428,7 @@ class AllreduceMachine:
                     st.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
                     self.probes += 1
             elif st.allow[a] == S:
-                K.on_loss(st, now)                            # R-C4
+                CC.on_loss(st, now)                            # R-C4
                 self.retransmitted += int(np.count_nonzero(st.cols[:n] % self.layout.aggregators == a))
                 st.probe[a] = -1
                 st.loss_confirmed[a] = False
@@ -513,7 +516,7 @@ class AllreduceMachine:
             raise ProtocolViolation(f"this allreduce failed earlier: {self.failed}")
 
     def violation(self, code: int, aggregator: int) -> str:
-        block = int(self.st.i[K.I_BAD_BLOCK])
+        block = int(self.st.i[WS.I_BAD_BLOCK])
         if code == K.VIOLATION_NO_DATA:
             return (f"aggregator {self._agg_name_of(aggregator)} returned no data for a block this worker "
                     f"contributed (block {block})")

@@ -3,8 +3,10 @@ allreduces over timed links of given rate, delay and queue (tests/linksim.py).""
 import numpy as np
 import pytest
 
+from zerosum import congestion as CC
 from zerosum import kernels as K
 from zerosum import protocol as P
+from zerosum import worker_state as WS
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.blocks import BlockSource, DenseResult
 from zerosum.layout import Layout
@@ -31,93 +33,93 @@ def machine(columns=64, aggregators=1, path=None, **cfg):
 
 def test_initial_window_and_slow_start():
     m = machine()
-    assert m.cwnd == K.INITIAL_WINDOW * ENTRY and m.window_columns == K.INITIAL_WINDOW       # R-C1
+    assert m.cwnd == CC.INITIAL_WINDOW * ENTRY and m.window_columns == CC.INITIAL_WINDOW       # R-C1
     st = m.st
-    st.f[K.F_MIN_RTT] = 0.001
-    K.on_rounds(st, 3, 0.001, 1.0, 0.999)                           # R-C2, slow start: one entry per round
-    assert m.cwnd == (K.INITIAL_WINDOW + 3) * ENTRY and m.window_columns == K.INITIAL_WINDOW + 3
-    st.f[K.F_SSTHRESH] = m.cwnd                                     # congestion avoidance: entry² / cwnd
+    st.f[WS.F_MIN_RTT] = 0.001
+    CC.on_rounds(st, 3, 0.001, 1.0, 0.999)                           # R-C2, slow start: one entry per round
+    assert m.cwnd == (CC.INITIAL_WINDOW + 3) * ENTRY and m.window_columns == CC.INITIAL_WINDOW + 3
+    st.f[WS.F_SSTHRESH] = m.cwnd                                     # congestion avoidance: entry² / cwnd
     before = m.cwnd
-    K.on_rounds(st, 2, 0.001, 1.0, 0.999)
+    CC.on_rounds(st, 2, 0.001, 1.0, 0.999)
     assert m.cwnd == pytest.approx(before + 2 * ENTRY * ENTRY / before)
 
 
 def test_delay_above_target_cuts_in_proportion_once_per_epoch():
     m = machine(delay_target=0.005)
     st = m.st
-    st.f[K.F_MIN_RTT] = 0.002
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_CWND] = 40 * ENTRY
+    st.f[WS.F_MIN_RTT] = 0.002
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_CWND] = 40 * ENTRY
     rtt = 0.012                                                     # 5 ms above the 7 ms allowed
-    K.on_rounds(st, 1, rtt, 1.0, 1.0 - rtt)                         # R-C3: the first sample ends an epoch
-    assert m.cwnd == pytest.approx(40 * ENTRY * (1 - K.DELAY_GAIN * 0.005 / rtt))
-    assert m.window_cuts == (1, 0) and st.f[K.F_SSTHRESH] == m.cwnd
+    CC.on_rounds(st, 1, rtt, 1.0, 1.0 - rtt)                         # R-C3: the first sample ends an epoch
+    assert m.cwnd == pytest.approx(40 * ENTRY * (1 - CC.DELAY_GAIN * 0.005 / rtt))
+    assert m.window_cuts == (1, 0) and st.f[WS.F_SSTHRESH] == m.cwnd
     cut = m.cwnd
-    K.on_rounds(st, 1, rtt, 1.005, 1.005 - rtt)                     # sent before the epoch began: no verdict,
+    CC.on_rounds(st, 1, rtt, 1.005, 1.005 - rtt)                     # sent before the epoch began: no verdict,
     assert m.cwnd == cut and m.window_cuts == (1, 0)               # and no growth above the target
-    K.on_rounds(st, 1, 0.3, 1.01, 0.71)                             # a round that waited for another rank's
+    CC.on_rounds(st, 1, 0.3, 1.01, 0.71)                             # a round that waited for another rank's
     assert m.cwnd == cut and m.window_cuts == (1, 0)               # retransmission, then one that did not:
-    K.on_rounds(st, 1, 0.0021, 1.012, 1.0099)                       # the epoch's least trip is the verdict
-    assert m.window_cuts == (1, 0) and m.cwnd > cut and st.f[K.F_QUEUE] == pytest.approx(0.0001)
-    K.on_rounds(st, 1, 0.5, 1.6, 1.1)                               # at most half per round trip
+    CC.on_rounds(st, 1, 0.0021, 1.012, 1.0099)                       # the epoch's least trip is the verdict
+    assert m.window_cuts == (1, 0) and m.cwnd > cut and st.f[WS.F_QUEUE] == pytest.approx(0.0001)
+    CC.on_rounds(st, 1, 0.5, 1.6, 1.1)                               # at most half per round trip
     assert m.window_cuts == (2, 0)
-    assert m.cwnd == pytest.approx((cut + ENTRY * ENTRY / cut) * (1 - K.MAX_DELAY_CUT))
+    assert m.cwnd == pytest.approx((cut + ENTRY * ENTRY / cut) * (1 - CC.MAX_DELAY_CUT))
 
 
 def test_loss_cuts_once_per_round_trip_by_half_behind_a_queue_and_never_below_one_column():
     m = machine()
     st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_CWND] = 3 * ENTRY
-    st.f[K.F_QUEUE] = 0.5 * st.f[K.F_TARGET]                       # the last epoch saw a queue: overflow
-    K.on_loss(st, 1.0)                                              # R-C4
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_CWND] = 3 * ENTRY
+    st.f[WS.F_QUEUE] = 0.5 * st.f[WS.F_TARGET]                       # the last epoch saw a queue: overflow
+    CC.on_loss(st, 1.0)                                              # R-C4
     assert m.cwnd == 1.5 * ENTRY and m.window_cuts == (0, 1) and m.window_columns == 1
-    K.on_loss(st, 1.001)
+    CC.on_loss(st, 1.001)
     assert m.window_cuts == (0, 1)
-    K.on_loss(st, 1.02)
+    CC.on_loss(st, 1.02)
     assert m.cwnd == ENTRY and m.window_columns == 1                # R-C5
 
 
 def test_a_loss_without_a_queue_cuts_by_a_fifth():
     m = machine()
     st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_CWND] = 40 * ENTRY
-    st.f[K.F_QUEUE] = 0.4 * st.f[K.F_TARGET]                        # R-C4: noise rather than overflow
-    K.on_loss(st, 1.0)
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_CWND] = 40 * ENTRY
+    st.f[WS.F_QUEUE] = 0.4 * st.f[WS.F_TARGET]                        # R-C4: noise rather than overflow
+    CC.on_loss(st, 1.0)
     assert m.cwnd == pytest.approx(32 * ENTRY) and m.window_cuts == (0, 1)
 
 
 def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering_window():
     m = machine()
     st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_CWND], st.f[K.F_SSTHRESH] = 40 * ENTRY, 80 * ENTRY
-    st.f[K.F_QUEUE] = st.f[K.F_TARGET]
-    K.on_loss(st, 1.0)
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_CWND], st.f[WS.F_SSTHRESH] = 40 * ENTRY, 80 * ENTRY
+    st.f[WS.F_QUEUE] = st.f[WS.F_TARGET]
+    CC.on_loss(st, 1.0)
     assert m.cwnd == 20 * ENTRY and m.window_cuts == (0, 1)
-    K.on_spurious(st, 2, 1.001)                                     # R-C4: STATUS answered what was resent
-    assert m.cwnd == 40 * ENTRY and st.f[K.F_SSTHRESH] == 80 * ENTRY and m.window_cuts == (0, 0)
-    assert m.window_columns == 40 and m.spurious_entries == 2 and st.i[K.I_REO_MULT] == 2
-    K.on_spurious(st, 1, 1.002)                                     # once per epoch, and nothing left to undo
-    assert st.i[K.I_REO_MULT] == 2 and m.cwnd == 40 * ENTRY and m.spurious_entries == 3
-    st.f[K.F_EPOCH_START] = 1.003
-    K.on_spurious(st, 1, 1.004)
-    assert st.i[K.I_REO_MULT] == 3
-    st.f[K.F_MIN_RTT] = 0.001
-    K.on_rounds(st, 1, 0.02, 1.1, 1.08)                             # a delay cut (R-C3) is not undone
+    CC.on_spurious(st, 2, 1.001)                                     # R-C4: STATUS answered what was resent
+    assert m.cwnd == 40 * ENTRY and st.f[WS.F_SSTHRESH] == 80 * ENTRY and m.window_cuts == (0, 0)
+    assert m.window_columns == 40 and m.spurious_entries == 2 and st.i[WS.I_REO_MULT] == 2
+    CC.on_spurious(st, 1, 1.002)                                     # once per epoch, and nothing left to undo
+    assert st.i[WS.I_REO_MULT] == 2 and m.cwnd == 40 * ENTRY and m.spurious_entries == 3
+    st.f[WS.F_EPOCH_START] = 1.003
+    CC.on_spurious(st, 1, 1.004)
+    assert st.i[WS.I_REO_MULT] == 3
+    st.f[WS.F_MIN_RTT] = 0.001
+    CC.on_rounds(st, 1, 0.02, 1.1, 1.08)                             # a delay cut (R-C3) is not undone
     cut = m.cwnd
     assert m.window_cuts == (1, 0) and cut < 40 * ENTRY
-    K.on_spurious(st, 1, 1.101)
+    CC.on_spurious(st, 1, 1.101)
     assert m.cwnd == cut
 
 
 def draining(wall_clock=0.0, srtt=0.01, cwnd=40, min_rtt=0.001):
     m = machine(wall_clock=wall_clock)
     st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = srtt, 1
-    st.f[K.F_CWND], st.f[K.F_MIN_RTT] = cwnd * ENTRY, min_rtt
-    K.set_window(st)
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = srtt, 1
+    st.f[WS.F_CWND], st.f[WS.F_MIN_RTT] = cwnd * ENTRY, min_rtt
+    CC.set_window(st)
     return m
 
 
@@ -125,49 +127,49 @@ def test_drains_fall_on_the_wall_clocks_periods_and_end_together_on_every_rank()
     """R-C8: two ranks whose own clocks differ by 50 s, one wall clock: the first period is not drained;
     at the next multiple of DRAIN_PERIOD both drop to DRAIN_WINDOW entries and end at the same wall-clock
     moment (two round trips, in whole DRAIN_TIMEs, from the period's start), their windows restored."""
-    p = K.DRAIN_PERIOD
+    p = CC.DRAIN_PERIOD
     a, b = draining(wall_clock=100.3 * p, srtt=0.012), draining(wall_clock=50.3 * p, srtt=0.015)
     for m, shift in ((a, 0.0), (b, 50 * p)):
-        K.drain_step(m.st, 0.5 * p + shift)                 # wall 100.8 periods: the first one seen
+        CC.drain_step(m.st, 0.5 * p + shift)                 # wall 100.8 periods: the first one seen
         assert m.drains == 0 and m.window_columns == 40
-        K.drain_step(m.st, 0.7 * p + 0.001 + shift)         # wall 101.0 periods + 1 ms
-        assert m.drains == 1 and m.window_columns == K.DRAIN_WINDOW
-        assert K.drain_timer(m.st) == pytest.approx(0.7 * p + 2 * K.DRAIN_TIME + shift)  # 2 srtt: 2 DRAIN_TIMEs
-        K.drain_step(m.st, K.drain_timer(m.st) - 1e-6)
-        assert m.window_columns == K.DRAIN_WINDOW
-        K.drain_step(m.st, K.drain_timer(m.st))
-        assert m.window_columns == 40 and K.drain_timer(m.st) == np.inf
-        K.drain_step(m.st, 0.7 * p + 0.5 + shift)           # once per period
+        CC.drain_step(m.st, 0.7 * p + 0.001 + shift)         # wall 101.0 periods + 1 ms
+        assert m.drains == 1 and m.window_columns == CC.DRAIN_WINDOW
+        assert CC.drain_timer(m.st) == pytest.approx(0.7 * p + 2 * CC.DRAIN_TIME + shift)  # 2 srtt: 2 DRAIN_TIMEs
+        CC.drain_step(m.st, CC.drain_timer(m.st) - 1e-6)
+        assert m.window_columns == CC.DRAIN_WINDOW
+        CC.drain_step(m.st, CC.drain_timer(m.st))
+        assert m.window_columns == 40 and CC.drain_timer(m.st) == np.inf
+        CC.drain_step(m.st, 0.7 * p + 0.5 + shift)           # once per period
         assert m.drains == 1
     late = draining(wall_clock=0.0)
-    K.drain_step(late.st, 0.5 * p)
-    K.drain_step(late.st, p + 0.999 * K.DRAIN_TIME * 2)     # found the period when its drain was over: none
+    CC.drain_step(late.st, 0.5 * p)
+    CC.drain_step(late.st, p + 0.999 * CC.DRAIN_TIME * 2)     # found the period when its drain was over: none
     assert late.drains == 0 and late.window_columns == 40
 
 
 def test_a_drain_grows_nothing_and_measures_the_rounds_sent_in_it():
     m = draining()
     st = m.st
-    K.drain_step(st, 0.5 * K.DRAIN_PERIOD)
-    K.drain_step(st, K.DRAIN_PERIOD)
-    start = K.DRAIN_PERIOD
-    K.on_rounds(st, 5, 0.0004, start + 0.002, start - 0.003)       # sent before the drain: not its sample
-    assert st.f[K.F_DRAIN_MIN] == np.inf and st.f[K.F_MIN_RTT] == 0.0004
-    K.on_rounds(st, 5, 0.0009, start + 0.004, start + 0.003)
-    assert st.f[K.F_DRAIN_MIN] == 0.0009 and m.window_columns == K.DRAIN_WINDOW and m.window_cuts == (0, 0)
-    end = K.drain_timer(st)
-    K.drain_step(st, end)                                           # restored; a new epoch from the end on
-    assert m.window_columns == 40 and st.i[K.I_COMPETITIVE] == 0
-    assert st.f[K.F_EPOCH_START] == end and st.f[K.F_EPOCH_MIN] == np.inf
+    CC.drain_step(st, 0.5 * CC.DRAIN_PERIOD)
+    CC.drain_step(st, CC.DRAIN_PERIOD)
+    start = CC.DRAIN_PERIOD
+    CC.on_rounds(st, 5, 0.0004, start + 0.002, start - 0.003)       # sent before the drain: not its sample
+    assert st.f[WS.F_DRAIN_MIN] == np.inf and st.f[WS.F_MIN_RTT] == 0.0004
+    CC.on_rounds(st, 5, 0.0009, start + 0.004, start + 0.003)
+    assert st.f[WS.F_DRAIN_MIN] == 0.0009 and m.window_columns == CC.DRAIN_WINDOW and m.window_cuts == (0, 0)
+    end = CC.drain_timer(st)
+    CC.drain_step(st, end)                                           # restored; a new epoch from the end on
+    assert m.window_columns == 40 and st.i[WS.I_COMPETITIVE] == 0
+    assert st.f[WS.F_EPOCH_START] == end and st.f[WS.F_EPOCH_MIN] == np.inf
 
 
 def _drain_once(m, period, least):
     """One drain in `period` whose rounds took at least `least` seconds."""
     st = m.st
-    t = period * K.DRAIN_PERIOD
-    K.drain_step(st, t)
-    K.on_rounds(st, 1, least, t + 0.005, t + 0.001)
-    K.drain_step(st, K.drain_timer(st))
+    t = period * CC.DRAIN_PERIOD
+    CC.drain_step(st, t)
+    CC.on_rounds(st, 1, least, t + 0.005, t + 0.001)
+    CC.drain_step(st, CC.drain_timer(st))
 
 
 def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_in_a_row_find_it_empty():
@@ -179,51 +181,51 @@ def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_i
     queue gone: a drain that finds it again in between starts the count anew."""
     m = draining(min_rtt=0.001)
     st = m.st
-    target = st.f[K.F_TARGET]
-    K.drain_step(st, 0.5 * K.DRAIN_PERIOD)
+    target = st.f[WS.F_TARGET]
+    CC.drain_step(st, 0.5 * CC.DRAIN_PERIOD)
     _drain_once(m, 1, 0.001 + 0.6 * target)
-    assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS and st.f[K.F_SSTHRESH] == np.inf
+    assert st.i[WS.I_COMPETITIVE] == CC.COMPETITIVE_DRAINS and st.f[WS.F_SSTHRESH] == np.inf
     assert m.path.other_queue == pytest.approx(0.6 * target)
     allowed = 2 * 0.6 * target + target                            # as much again, plus the target
     nxt = machine(path=m.path)                                      # the next allreduce competes alike
-    assert nxt.st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS and K.queue_target(nxt.st) == pytest.approx(allowed)
-    st.f[K.F_SSTHRESH] = m.cwnd
+    assert nxt.st.i[WS.I_COMPETITIVE] == CC.COMPETITIVE_DRAINS and CC.queue_target(nxt.st) == pytest.approx(allowed)
+    st.f[WS.F_SSTHRESH] = m.cwnd
     before = m.cwnd
-    now = 1.5 * K.DRAIN_PERIOD
+    now = 1.5 * CC.DRAIN_PERIOD
     rtt = 0.001 + (allowed - 0.001)                                 # a queue above the target, within what is allowed
-    K.on_rounds(st, 1, rtt, now, now - rtt)
+    CC.on_rounds(st, 1, rtt, now, now - rtt)
     assert m.window_cuts == (0, 0) and m.cwnd == pytest.approx(before + ENTRY * ENTRY / before / 4)  # 1/world²
-    K.on_loss(st, now + 0.1)
+    CC.on_loss(st, now + 0.1)
     assert m.cwnd == pytest.approx(0.5 * (before + ENTRY * ENTRY / before / 4))
     cut = m.cwnd
-    K.on_spurious(st, 1, now + 0.101)
+    CC.on_spurious(st, 1, now + 0.101)
     assert m.cwnd == cut                                            # losses beside such a flow are real
     later = now + 0.2
     rtt = 0.001 + allowed + 0.004                                   # more queue than allowed: a delay cut
-    K.on_rounds(st, 1, rtt, later, later - rtt)
+    CC.on_rounds(st, 1, rtt, later, later - rtt)
     assert m.window_cuts == (1, 1) and m.cwnd < cut
-    assert K.COMPETITIVE_DRAINS >= 2
+    assert CC.COMPETITIVE_DRAINS >= 2
     _drain_once(m, 2, 0.0012)                                       # the queue drained: one of them
-    assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS - 1
+    assert st.i[WS.I_COMPETITIVE] == CC.COMPETITIVE_DRAINS - 1
     _drain_once(m, 3, 0.001 + 0.6 * target)                         # the queue is back: the count starts anew
-    assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS
-    for period in range(4, 4 + K.COMPETITIVE_DRAINS):
-        assert st.i[K.I_COMPETITIVE] == K.COMPETITIVE_DRAINS - (period - 4)
+    assert st.i[WS.I_COMPETITIVE] == CC.COMPETITIVE_DRAINS
+    for period in range(4, 4 + CC.COMPETITIVE_DRAINS):
+        assert st.i[WS.I_COMPETITIVE] == CC.COMPETITIVE_DRAINS - (period - 4)
         _drain_once(m, period, 0.0012)
-    assert st.i[K.I_COMPETITIVE] == 0
+    assert st.i[WS.I_COMPETITIVE] == 0
     path = m.path
-    assert path.competitive == 0 and path.drain_slot == 3 + K.COMPETITIVE_DRAINS
+    assert path.competitive == 0 and path.drain_slot == 3 + CC.COMPETITIVE_DRAINS
 
 
 def test_an_allreduce_that_ends_while_draining_hands_on_the_window_it_saved():
     m = draining(cwnd=40)
-    K.drain_step(m.st, 0.5 * K.DRAIN_PERIOD)
-    K.drain_step(m.st, K.DRAIN_PERIOD)
-    assert m.window_columns == K.DRAIN_WINDOW
+    CC.drain_step(m.st, 0.5 * CC.DRAIN_PERIOD)
+    CC.drain_step(m.st, CC.DRAIN_PERIOD)
+    assert m.window_columns == CC.DRAIN_WINDOW
     path = m.path
     assert path.cwnd == 40 * ENTRY and path.drain_slot == 1
     nxt = machine(path=path)
-    assert nxt.window_columns == 40 and nxt.st.f[K.F_DRAIN_SLOT] == 1
+    assert nxt.window_columns == 40 and nxt.st.f[WS.F_DRAIN_SLOT] == 1
 
 
 def rounds_in_flight(*sent_at):
@@ -231,10 +233,10 @@ def rounds_in_flight(*sent_at):
     timers at 2.0, a 10 ms smoothed and 1 ms least round trip (RACK's tests, R-C4)."""
     m = machine()
     st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
-    st.f[K.F_MIN_RTT] = 0.001
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_MIN_RTT] = 0.001
     n = len(sent_at)
-    st.i[K.I_ADMITTED] = n
+    st.i[WS.I_ADMITTED] = n
     st.round_block[:n] = 3
     st.sent_at[:n] = sent_at
     st.deadline[:n] = 2.0
@@ -243,47 +245,47 @@ def rounds_in_flight(*sent_at):
 
 def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
     m, st = rounds_in_flight(1.0, 1.007)                            # two rounds in flight
-    st.f[K.F_DELIVERED_SENT] = 1.008                                # a round sent 8 ms after column 0's arrived
-    st.i[K.I_REO_MULT] = 2                                          # 10 ms: not yet lost
-    K.detect_loss(st, 1.01)
+    st.f[WS.F_DELIVERED_SENT] = 1.008                                # a round sent 8 ms after column 0's arrived
+    st.i[WS.I_REO_MULT] = 2                                          # 10 ms: not yet lost
+    CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
-    st.i[K.I_REO_MULT] = 1                                          # 5 ms (the delay target): lost, resent now
-    K.detect_loss(st, 1.01)
+    st.i[WS.I_REO_MULT] = 1                                          # 5 ms (the delay target): lost, resent now
+    CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 1.01 and st.deadline[1] == 2.0 and st.loss_confirmed[0] and m.window_cuts == (0, 1)
-    st.i[K.I_REO_MULT] = 4
-    st.i[K.I_REO_CLEAN] = K.REORDER_RESET - 1
-    st.f[K.F_DELIVERED_SENT] = 1.03
-    K.detect_loss(st, 1.04)                                         # RFC 8985 6.2.4: back to 1x
-    assert st.i[K.I_REO_MULT] == 1 and st.i[K.I_REO_CLEAN] == 0
+    st.i[WS.I_REO_MULT] = 4
+    st.i[WS.I_REO_CLEAN] = CC.REORDER_RESET - 1
+    st.f[WS.F_DELIVERED_SENT] = 1.03
+    CC.detect_loss(st, 1.04)                                         # RFC 8985 6.2.4: back to 1x
+    assert st.i[WS.I_REO_MULT] == 1 and st.i[WS.I_REO_CLEAN] == 0
 
 
 def test_the_reordering_window_covers_the_longest_wait_of_a_result_in_this_workers_socket():
     """R-C4: a result read 12 ms after it arrived says this host's ranks run that far behind: a round
     8 ms older than a delivered one is not lost yet; the wait fades by half per half-life, and then it is."""
-    half = K.HOST_WAIT_HALF_LIFE
+    half = CC.HOST_WAIT_HALF_LIFE
     m, st = rounds_in_flight(1.0, 1.007)
-    st.f[K.F_DELIVERED_SENT] = 1.008                                # 8 ms: past the 5 ms delay target
-    K.note_host_wait(st, 0.012, 1.0)
-    K.note_host_wait(st, 0.003, 1.001)                              # a shorter wait does not replace it
-    assert K.host_wait(st, 1.001) == pytest.approx(0.012 * 0.5 ** (0.001 / half))
-    K.detect_loss(st, 1.01)
+    st.f[WS.F_DELIVERED_SENT] = 1.008                                # 8 ms: past the 5 ms delay target
+    CC.note_host_wait(st, 0.012, 1.0)
+    CC.note_host_wait(st, 0.003, 1.001)                              # a shorter wait does not replace it
+    assert CC.host_wait(st, 1.001) == pytest.approx(0.012 * 0.5 ** (0.001 / half))
+    CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
-    assert K.host_wait(st, 1.0 + half) == pytest.approx(0.006)      # one half-life later: 6 ms
+    assert CC.host_wait(st, 1.0 + half) == pytest.approx(0.006)      # one half-life later: 6 ms
     st.deadline[:2] = 2 * half
-    K.detect_loss(st, 1.0 + 0.9 * half)                             # 6.4 ms by then: lost, resent now
+    CC.detect_loss(st, 1.0 + 0.9 * half)                             # 6.4 ms by then: lost, resent now
     assert st.deadline[0] == 1.0 + 0.9 * half and st.deadline[1] == 2 * half
     assert st.loss_confirmed[0] and m.window_cuts == (0, 1)
     path = m.path                                                   # the next allreduce starts from it
     assert path.host_wait == 0.012 and path.host_wait_at == 1.0
-    assert K.host_wait(machine(path=path).st, 1.0 + half) == pytest.approx(0.006)
+    assert CC.host_wait(machine(path=path).st, 1.0 + half) == pytest.approx(0.006)
 
 
 def test_loss_detection_judges_only_columns_up_to_the_delivered_rounds():
     """R-C4: a delivered round of column k says every rank admitted columns 0..k (R-L6: prefixes of one
     order); a column past it may be one a rank with a smaller window has not sent: not judged lost."""
     m, st = rounds_in_flight(*[1.0] * 8)
-    st.f[K.F_DELIVERED_SENT], st.i[K.I_DELIVERED_COLUMN] = 1.02, 4
-    K.detect_loss(st, 1.03)
+    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.02, 4
+    CC.detect_loss(st, 1.03)
     assert (st.deadline[:5] == 1.03).all() and (st.deadline[5:8] == 2.0).all()
 
 
@@ -301,7 +303,7 @@ def test_the_delivered_round_is_the_latest_sent_with_its_column():
     hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
     datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
     assert K.receive_one(st, datagram, len(datagram), 0, 1.01, False) == K.APPLIED
-    assert st.f[K.F_DELIVERED_SENT] == pytest.approx(1.004) and st.i[K.I_DELIVERED_COLUMN] == 5
+    assert st.f[WS.F_DELIVERED_SENT] == pytest.approx(1.004) and st.i[WS.I_DELIVERED_COLUMN] == 5
 
 
 def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
@@ -309,17 +311,17 @@ def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
     waits for it; the epoch lasts at least EPOCH_MIN, so its least round trip comes from outside the stall."""
     m = machine(delay_target=0.005)
     st = m.st
-    st.f[K.F_MIN_RTT] = 0.0002
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.0003, 1
-    st.f[K.F_CWND] = 40 * ENTRY
-    K.on_rounds(st, 1, 0.0003, 1.0, 0.9997)                         # the first sample ends an epoch
-    K.on_rounds(st, 1, 0.0003, 1.0005, 1.0002)                      # an unstalled round
-    K.on_rounds(st, 4, 0.0083, 1.0088, 1.0005)                      # 8 ms stalled: still the same epoch
-    assert m.window_cuts == (0, 0) and st.f[K.F_EPOCH_START] == 1.0
-    K.on_rounds(st, 1, 0.0003, 1.0106, 1.0103)                      # ends it: the least is 0.3 ms
-    assert m.window_cuts == (0, 0) and st.f[K.F_EPOCH_START] == 1.0106
-    K.on_rounds(st, 1, 0.0083, 1.019, 1.0107)                       # a stall through a whole epoch still cuts
-    K.on_rounds(st, 1, 0.0083, 1.0215, 1.0132)
+    st.f[WS.F_MIN_RTT] = 0.0002
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.0003, 1
+    st.f[WS.F_CWND] = 40 * ENTRY
+    CC.on_rounds(st, 1, 0.0003, 1.0, 0.9997)                         # the first sample ends an epoch
+    CC.on_rounds(st, 1, 0.0003, 1.0005, 1.0002)                      # an unstalled round
+    CC.on_rounds(st, 4, 0.0083, 1.0088, 1.0005)                      # 8 ms stalled: still the same epoch
+    assert m.window_cuts == (0, 0) and st.f[WS.F_EPOCH_START] == 1.0
+    CC.on_rounds(st, 1, 0.0003, 1.0106, 1.0103)                      # ends it: the least is 0.3 ms
+    assert m.window_cuts == (0, 0) and st.f[WS.F_EPOCH_START] == 1.0106
+    CC.on_rounds(st, 1, 0.0083, 1.019, 1.0107)                       # a stall through a whole epoch still cuts
+    CC.on_rounds(st, 1, 0.0083, 1.0215, 1.0132)
     assert m.window_cuts == (1, 0)
 
 
@@ -327,18 +329,18 @@ def test_loss_detection_waits_out_a_drain_and_leaves_the_rounds_sent_before_it_t
     """R-C8: while ranks drain, a round may wait for a rank that drained a moment earlier, as long as the
     drain; RACK (R-C4) judges nothing during a drain, and afterwards only rounds sent since it began."""
     m, st = rounds_in_flight(1.0, 1.096)                            # column 0 sent before the drain
-    st.f[K.F_DRAIN_START], st.f[K.F_DRAIN_END], st.f[K.F_RACK_FROM] = 1.01, 1.03, np.inf   # as drain_step sets
-    st.f[K.F_DELIVERED_SENT] = 1.025
-    K.detect_loss(st, 1.029)                                        # draining: nothing is judged
+    st.f[WS.F_DRAIN_START], st.f[WS.F_DRAIN_END], st.f[WS.F_RACK_FROM] = 1.01, 1.03, np.inf   # as drain_step sets
+    st.f[WS.F_DELIVERED_SENT] = 1.025
+    CC.detect_loss(st, 1.029)                                        # draining: nothing is judged
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
-    K.end_drain(st, 1.03)
-    assert st.f[K.F_RACK_FROM] == pytest.approx(1.03 + K.DRAIN_TIME)
-    st.f[K.F_DELIVERED_SENT] = 1.1
+    CC.end_drain(st, 1.03)
+    assert st.f[WS.F_RACK_FROM] == pytest.approx(1.03 + CC.DRAIN_TIME)
+    st.f[WS.F_DELIVERED_SENT] = 1.1
     st.sent_at[0] = 1.045                                           # sent in the grace after the drain: the
-    K.detect_loss(st, 1.1)                                          # timer's, as are rounds sent before it
+    CC.detect_loss(st, 1.1)                                          # timer's, as are rounds sent before it
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
     st.sent_at[0] = 1.06                                            # sent after it, 40 ms before: lost
-    K.detect_loss(st, 1.1)
+    CC.detect_loss(st, 1.1)
     assert st.deadline[0] == 1.1 and st.deadline[1] == 2.0 and m.window_cuts == (0, 1)
 
 
@@ -346,14 +348,14 @@ def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
     m = machine(columns=4)
     st = m.st
     st.round_block[:] = 0                                           # every column at its first round past BOOT
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
     ent = P.entries_array(2)
     ent[0] = (1, 0, 0, 0b11, 0, P.NO_EXP)                           # slot 1: both ranks heard, round of block 0
     ent[1] = (2, 0, 2, 0b01, 0, P.NO_EXP)                           # slot 2: not its current round: not counted
     hdr = P.Header(P.STATUS, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
     datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
     assert K.receive_one(st, datagram, len(datagram), 0, 1.0, False) == K.APPLIED
-    assert m.spurious_entries == 1 and st.i[K.I_REO_MULT] == 2 and st.waiting_for[1] == 0b11
+    assert m.spurious_entries == 1 and st.i[WS.I_REO_MULT] == 2 and st.waiting_for[1] == 0b11
     ent = P.entries_array(1)
     st.round_block[1] = 1
     ent[0] = (1, 0, 0, 1, 0, P.NO_EXP)                              # slot 1's finished round, again
@@ -379,14 +381,14 @@ def _marked_epochs(flags, ce, epochs=3, per_epoch=4):
     config = WorkerConfig(rank=0, world=2, job=1, block_size=B, window="auto")
     m = AllreduceMachine(config, 1, source, Layout(1, 1, source.nblocks), DenseResult(np.zeros_like(x)))
     st = m.st
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.001, 1
-    st.f[K.F_CWND] = 40 * ENTRY
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.001, 1
+    st.f[WS.F_CWND] = 40 * ENTRY
     now, block = 1.0, 0
     for _ in range(epochs):
         for k in range(per_epoch):
             st.round_block[0], st.sent_at[0] = block, now - 0.001
             if k == 0:
-                st.f[K.F_EPOCH_START] = now - K.EPOCH_MIN - 0.001   # this result ends the epoch
+                st.f[WS.F_EPOCH_START] = now - CC.EPOCH_MIN - 0.001   # this result ends the epoch
             datagram = _result(m, flags, block, block + 1)
             assert K.receive_one(st, datagram, len(datagram), 0, now, ce) == K.APPLIED
             now += 0.0002                                           # within one round trip
@@ -401,7 +403,7 @@ def test_an_echoed_or_own_ecn_mark_cuts_by_half_once_per_epoch(flags, ce):
     itself arrived marked CE, is a verdict above the target: four marks per epoch, one cut per epoch."""
     m = _marked_epochs(flags, ce)
     assert m.ecn_marks == 12
-    assert m.window_cuts == (3, 0) and m.cwnd == pytest.approx(40 * ENTRY * K.ECN_CUT ** 3)
+    assert m.window_cuts == (3, 0) and m.cwnd == pytest.approx(40 * ENTRY * CC.ECN_CUT ** 3)
 
 
 def test_without_marks_the_same_rounds_cut_nothing():
@@ -412,16 +414,16 @@ def test_without_marks_the_same_rounds_cut_nothing():
 def test_a_mark_stops_growth_until_an_unmarked_epoch_and_a_loss_after_it_halves():
     m = machine()
     st = m.st
-    st.f[K.F_MIN_RTT], st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = 0.001, 0.001, 1
-    st.f[K.F_CWND] = 40 * ENTRY
-    K.on_mark(st)
-    K.on_rounds(st, 1, 0.001, 1.0, 0.999)                           # the epoch's verdict: marked, a cut
+    st.f[WS.F_MIN_RTT], st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.001, 0.001, 1
+    st.f[WS.F_CWND] = 40 * ENTRY
+    CC.on_mark(st)
+    CC.on_rounds(st, 1, 0.001, 1.0, 0.999)                           # the epoch's verdict: marked, a cut
     assert m.window_cuts == (1, 0) and m.cwnd == 20 * ENTRY
-    K.on_rounds(st, 5, 0.001, 1.0005, 0.9995)                       # no verdict yet: no growth
+    CC.on_rounds(st, 5, 0.001, 1.0005, 0.9995)                       # no verdict yet: no growth
     assert m.cwnd == 20 * ENTRY
-    K.on_loss(st, 1.01)                                             # R-C4: the mark says a queue was there
+    CC.on_loss(st, 1.01)                                             # R-C4: the mark says a queue was there
     assert m.cwnd == 10 * ENTRY and m.window_cuts == (1, 1)
-    K.on_rounds(st, 1, 0.001, 1.02, 1.015)                          # an unmarked epoch: growth again
+    CC.on_rounds(st, 1, 0.001, 1.02, 1.015)                          # an unmarked epoch: growth again
     assert m.cwnd > 10 * ENTRY and m.window_cuts == (1, 1)
 
 
@@ -440,21 +442,21 @@ def test_a_worker_drops_data_with_the_congestion_flag_but_takes_results_with_it(
 def test_the_cap_and_a_window_that_does_not_limit():
     m = machine(window=12 * ENTRY)
     st = m.st
-    st.f[K.F_MIN_RTT] = 0.001
-    K.on_rounds(st, 50, 0.001, 1.0, 0.999)
+    st.f[WS.F_MIN_RTT] = 0.001
+    CC.on_rounds(st, 50, 0.001, 1.0, 0.999)
     assert m.cwnd == 12 * ENTRY                                     # window=BYTES bounds it
     m = machine(columns=8)
     st = m.st
-    st.i[K.I_ADMITTED] = 8                                          # every column admitted: the tensor limits,
-    K.on_rounds(st, 50, 0.001, 1.0, 0.999)                          # not the window, so it does not grow
-    assert m.cwnd == K.INITIAL_WINDOW * ENTRY
+    st.i[WS.I_ADMITTED] = 8                                          # every column admitted: the tensor limits,
+    CC.on_rounds(st, 50, 0.001, 1.0, 0.999)                          # not the window, so it does not grow
+    assert m.cwnd == CC.INITIAL_WINDOW * ENTRY
 
 
 def test_fixed_or_no_window_has_no_controller():
     assert machine(window=5 * ENTRY, congestion=False).window_columns == 5
     assert machine(window=None).window_columns == 64
     m = machine(window=5 * ENTRY, congestion=False)
-    K.on_loss(m.st, 1.0)
+    CC.on_loss(m.st, 1.0)
     assert m.window_cuts == (0, 0) and m.window_columns == 5
 
 
@@ -467,11 +469,11 @@ def rounds_ready(srtt=0.01, cwnd=40, now=1.0, **cfg):
     st = m.st
     st.round_block[:] = np.arange(64)                               # column c's round: its own block c
     st.round_exp[:] = 1
-    st.f[K.F_SRTT], st.i[K.I_HAS_SRTT] = srtt, 1
-    st.f[K.F_MIN_RTT], st.f[K.F_QUEUE] = srtt, 0.0                  # the pacer's round trip: the last epoch's least
-    if st.i[K.I_CONGESTION]:
-        st.f[K.F_CWND] = cwnd * ENTRY
-        K.set_window(st)
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = srtt, 1
+    st.f[WS.F_MIN_RTT], st.f[WS.F_QUEUE] = srtt, 0.0                  # the pacer's round trip: the last epoch's least
+    if st.i[WS.I_CONGESTION]:
+        st.f[WS.F_CWND] = cwnd * ENTRY
+        CC.set_window(st)
     return m
 
 
@@ -506,7 +508,7 @@ def test_the_pacer_sends_the_bucket_then_one_column_per_interval():
 
 def test_the_pacer_runs_at_1_2_times_the_window_after_slow_start_and_sends_two_datagrams_at_least():
     m = rounds_ready(srtt=0.05, cwnd=20)
-    m.st.f[K.F_SSTHRESH] = 30 * ENTRY                               # over half of ssthresh: 1.2x (Linux)
+    m.st.f[WS.F_SSTHRESH] = 30 * ENTRY                               # over half of ssthresh: 1.2x (Linux)
     rate, bucket = m.pacing
     assert rate == pytest.approx(1.2 * 20 * ENTRY / 0.05)           # 0.48 entries per ms:
     assert bucket == 2 * ENTRY                                      # two datagrams of one entry
@@ -519,7 +521,7 @@ def test_the_pacer_runs_at_1_2_times_the_window_after_slow_start_and_sends_two_d
 
 def test_no_pacing_before_a_round_trip_sample_or_without_the_congestion_window():
     m = rounds_ready()
-    m.st.i[K.I_HAS_SRTT], m.st.f[K.F_MIN_RTT] = 0, np.inf
+    m.st.i[WS.I_HAS_SRTT], m.st.f[WS.F_MIN_RTT] = 0, np.inf
     assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == 40      # the window alone limits
     for cfg, window in ((dict(window=None), 64), (dict(window=40 * ENTRY, congestion=False), 40),
                         (dict(pacing=False), 40)):
@@ -549,7 +551,7 @@ def test_no_pacing_where_the_bucket_holds_the_whole_window():
     m = rounds_ready(srtt=0.0015)                                   # slow start: gain 2, 2 ms > 1.5 ms
     assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == 40
     m = rounds_ready(srtt=0.0015)
-    m.st.f[K.F_SSTHRESH] = 60 * ENTRY                               # gain 1.2: 1.2 ms < 1.5 ms, paced
+    m.st.f[WS.F_SSTHRESH] = 60 * ENTRY                               # gain 1.2: 1.2 ms < 1.5 ms, paced
     assert np.isfinite(m.pacing[0]) and sent(m, 1.0) < 40
 
 
@@ -557,7 +559,7 @@ def test_the_pacers_round_trip_is_the_last_epochs_least_not_a_round_that_waited(
     """R-C7: a round that waited for a rank with a smaller window (R-L6) raises the smoothed round trip,
     not the path's; the pacer divides the window by the last epoch's least round trip."""
     m = rounds_ready(srtt=0.5)
-    m.st.f[K.F_MIN_RTT], m.st.f[K.F_QUEUE] = 0.008, 0.002
+    m.st.f[WS.F_MIN_RTT], m.st.f[WS.F_QUEUE] = 0.008, 0.002
     assert m.pacing[0] == pytest.approx(2 * 40 * ENTRY / 0.01)
 
 
@@ -642,7 +644,7 @@ def test_the_window_carries_over_to_the_next_allreduce():
     paths = [m.path for m in first.machines]
     second = run_timed(arrays, path=paths, **link)
     assert [w[0][1] for w in second.windows] == [p.cwnd for p in paths]     # not the initial window again
-    assert all(p.cwnd > 2 * K.INITIAL_WINDOW * ENTRY for p in paths), [p.cwnd / ENTRY for p in paths]
+    assert all(p.cwnd > 2 * CC.INITIAL_WINDOW * ENTRY for p in paths), [p.cwnd / ENTRY for p in paths]
 
 
 def test_paced_sends_keep_a_shallow_queue_from_overflowing():

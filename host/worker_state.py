@@ -1,0 +1,83 @@
+"""The worker's state record for one allreduce, as its compiled kernels see it.
+
+AllreduceMachine (zerosum.worker_machine) owns the arrays and documents what they hold; the kernels of
+zerosum.kernels (the data path and the driver loop) and zerosum.congestion (the timers, the congestion
+window and the pacer) read and write them through this record and its indices, so that a field is
+declared once.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class WorkerState(NamedTuple):
+    """An allreduce's state as the kernels see it (AllreduceMachine owns it; see its docstring)."""
+    hdr: np.ndarray            # int64 [6]: job, rank, world, epoch, tensor_blocks, block_size
+    round_block: np.ndarray    # int64 [S]: per column, the block of its current round (BOOT, END)
+    round_exp: np.ndarray      # int64 [S]: its agreed exponent
+    mine_pos: np.ndarray       # int64 [S]: position in seq of the column's own next non-zero block
+    col_stop: np.ndarray       # int64 [S]: end of the column's run in seq
+    seq: np.ndarray            # int64: own non-zero blocks by (column, block), then END
+    seq_exp: np.ndarray        # int64: their exponents
+    seq_row: np.ndarray        # int64: their rows in src
+    src: np.ndarray            # float32 or uint32: the input values
+    ready: np.ndarray          # bool [S]: the next round's entry is still to send
+    deadline: np.ndarray       # float64 [S]: retransmission timers (R-L1)
+    rto: np.ndarray            # float64 [S]
+    sent_at: np.ndarray        # float64 [S]: first transmission of the round (NaN once retransmitted)
+    waiting_for: np.ndarray    # int64 [S]: bitmap of the last STATUS (ranks heard), -1: probe pending
+    status_seen: np.ndarray    # bool [S]
+    probe: np.ndarray          # int64 [A]: the column sent alone to test for loss (R-L2), -1: none
+    loss_confirmed: np.ndarray  # bool [A]
+    last_heard: np.ndarray     # float64 [A]
+    slots_used: np.ndarray     # int64 [A]
+    allow: np.ndarray          # int64 [A]: scratch for take_expired
+    cols: np.ndarray           # int64 [S]: scratch: columns to send
+    seen: np.ndarray           # int64: scratch for check_slots
+    out: np.ndarray            # uint8: datagrams to send
+    cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out
+    values: np.ndarray         # float32 or int32: where sums go (DenseResult/CollectedBlocks .flat)
+    blocks_out: np.ndarray     # int64: with collect, the block of each row of values
+    counts: np.ndarray         # int64 [N_COUNTS]: duplicates, rows used, columns done, union blocks, the
+    #                            congestion samples of the last datagram and its STATUS entries (apply_datagram)
+    f: np.ndarray              # float64 [F_*]
+    i: np.ndarray              # int64 [I_*]
+    drops: np.ndarray          # int64 [len(WORKER_DROPS)]
+
+
+# f[]: timing and the congestion window
+(F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
+ F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
+ F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
+ F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
+ F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(34)
+# i[]: everything else
+(I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
+ I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
+ I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
+ I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
+ I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN) = range(34)
+N_I = I_DELIVERED_COLUMN + 1
+N_COUNTS = 9    # WorkerState.counts (apply_datagram says what each holds)
+# I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
+# measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
+# bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
+# ready for want of credit (the columns the bucket must hold before the next send); I_PACE_FROM: the
+# aggregator whose columns the next flush takes first (R-C7).
+# F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
+# F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
+# (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
+# F_RACK_FROM: loss detection judges only rounds sent since (R-C8); F_HOST_WAIT: the longest a datagram
+# waited in this worker's socket before it was read, fading by half every HOST_WAIT_HALF_LIFE, as of
+# F_HOST_WAIT_AT (R-C4); F_OTHER_QUEUE: the queue that the last drain which found one saw: another
+# flow's (R-C8);
+# I_COMPETITIVE: drains that must find the queue empty before the path's delay target counts again (0: it
+# does; R-C8);
+# I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT (R-C4)
+# what a worker drops, by name (AllreduceMachine.drops)
+WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
+                "range", "duplicate_result", "unknown_source")
+(D_SHORT, D_VERSION, D_TYPE, D_FOREIGN, D_STALE_EPOCH, D_GEOMETRY, D_LENGTH, D_FLAGS, D_EXPONENT, D_RANGE,
+ D_DUPLICATE, D_UNKNOWN_SOURCE) = range(12)
