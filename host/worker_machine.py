@@ -394,8 +394,11 @@ class AllreduceMachine:
         for a slower worker; only a reply tells them apart. So the first expired column of a quiet
         aggregator is sent alone, as a probe (R-L2; like TCP's window probe): a STATUS answer says the
         aggregator holds our entries and waits for others, and every column of that aggregator backs
-        off; a RESULT answer (the entry was missing) or no answer within the probe's timeout confirms a
-        loss, and then every expired column of that aggregator is retransmitted at once.
+        off; a RESULT answer (the entry was missing) confirms a loss, and then every expired column of
+        that aggregator is retransmitted at once. A probe without an answer within its own timeout is
+        sent again, its timer doubled, as TCP resends only its earliest segment when its timer expires
+        (RFC 6298, 5.4-5.6): an aggregator that waits for a core answers late, and taking its silence
+        for a loss resent whole windows of entries it held.
         """
         if self.done:
             return []
@@ -409,10 +412,10 @@ class AllreduceMachine:
         S = self.layout.columns
         for a in range(self.layout.aggregators):
             p = st.probe[a]
-            if st.loss_confirmed[a] or (p >= 0 and st.deadline[p] <= now):
+            if st.loss_confirmed[a]:
                 st.allow[a] = S           # loss: everything that expired
-            elif p < 0 and self._quiet[a]:
-                st.allow[a] = 1           # probe
+            elif (p < 0 and self._quiet[a]) or (p >= 0 and st.deadline[p] <= now):
+                st.allow[a] = 1           # probe, or probe again
             else:
                 st.allow[a] = 0
         n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.rto,

@@ -401,6 +401,34 @@ def test_probe_crossing_its_result_leaves_no_confirmed_loss():
     assert (m0.retransmitted, m1.retransmitted) == (0, 0)
 
 
+
+def test_an_aggregator_that_stalls_past_the_probes_timeout_is_probed_again_not_taken_for_a_loss():
+    """Both ranks' bootstraps reach the aggregator, which then waits for a core (here: its results and
+    everything sent to it are held) for longer than the ranks' timers and their probes' timers together.
+    The ranks probe again instead of resending every column; once the aggregator runs, nothing was lost
+    and nothing is resent."""
+    agg, (m0, m1), xs = _machines(2)
+    held_replies = _to_agg(agg, 0, m0.start(0.0)) + _to_agg(agg, 1, m1.start(0.0))
+    held_results = _results(agg)            # completed, but not yet sent: the aggregator is stalled
+    held_probes = {0: [], 1: []}
+    now = 0.0
+    while now < 1.5:                        # the stall: the ranks' timers run, nothing comes back
+        now = max(now + 1e-3, min(m0.timer(), m1.timer()))
+        for rank, m in enumerate((m0, m1)):
+            sent = m.datagrams_to_send(now)
+            assert sum(len(d) for _, d in sent) < 100, "only a probe may go out while the aggregator is silent"
+            held_probes[rank] += sent
+    assert m0.probes >= 3 and m1.probes >= 3
+    assert (m0.retransmitted, m1.retransmitted) == (0, 0)
+    # the aggregator runs again: it sends what it held, then answers the probes
+    _deliver([m0, m1], held_replies + held_results, now)
+    for rank in (0, 1):
+        _deliver([m0, m1], _to_agg(agg, rank, held_probes[rank], now), now)
+    _finish(agg, [m0, m1], now)
+    ref = reference_allreduce(xs, 4)
+    assert all(m.output.flat.tobytes() == ref.tobytes() for m in (m0, m1))
+    assert (m0.retransmitted, m1.retransmitted) == (0, 0)
+
 N_LARGE = 2 << 20 >> 2     # 2 MB of float32
 
 
