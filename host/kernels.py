@@ -250,9 +250,12 @@ def encode_data(out, cuts, cols, ncols, aggregators, hdr, round_block, round_exp
                 nexp = _mine_exp(seq_exp, mine_pos, col_stop, c, 0)
             put_entry(out, e, c // aggregators, HAS_DATA if has else 0, block, nxt, round_exp[c], nexp)
             e += ENT
-            if k + 1 < j:       # the next column's block, while this one is quantised
+            # the next column's block, while this one is quantised (unless it follows this one in
+            # memory, as in dense data, where the hardware prefetcher sees it coming)
+            if k + 1 < j:
                 c1 = cols[k + 1]
-                if _mine(seq, mine_pos, col_stop, c1, 0) == round_block[c1]:
+                if _mine(seq, mine_pos, col_stop, c1, 0) == round_block[c1] and \
+                        not (has and seq_row[mine_pos[c1]] == seq_row[mine_pos[c]] + 1):
                     T.prefetch(src, seq_row[mine_pos[c1]] * B, B)
             if has:
                 base = seq_row[mine_pos[c]] * B
@@ -345,9 +348,10 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         at = data0 + row * B * 4
         if has:
             row += 1
-            if not collect and i + 1 < nent:    # where the next sum goes, while this one is stored
+            # where the next sum goes, while this one is stored (unless it follows this one)
+            if not collect and i + 1 < nent:
                 _, has1, block1, _, _, _ = read_entry(b, HDR + (i + 1) * ENT)
-                if has1:
+                if has1 and block1 != block + 1:
                     T.prefetch(out_values, block1 * B, B)
         if ptype == P.STATUS:
             if block == round_block[c]:
