@@ -507,7 +507,7 @@ def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, 
     return t
 
 
-# -- the worker's driver loop ----------------------------------------------------------------------
+# -- the worker's driver loop ---------------------------------------------------------------------------
 
 _DROP_OF_REASON = np.array([-1, D_LENGTH, D_FLAGS, D_EXPONENT, D_RANGE], np.int64)   # by wire.DROP_*
 _KNOWN_TYPES = np.array(sorted(P.TYPE_NAMES), np.int64)
