@@ -447,6 +447,7 @@ def serve(fd, rx, n, i, off, job_ids, tables, tx, loss):
     rounds completed so far have been flushed and everything queued has been sent."""
     rx = T.raw_rx(rx)
     tx = T.raw_tx(tx)
+    job_ids = T.raw(job_ids)
     while i < n:
         if rx.length[i] == 0:
             break                           # an empty datagram: for Python (drop_short)
