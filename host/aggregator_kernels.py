@@ -392,7 +392,13 @@ def _flush_job(t, fd, tx, loss):
     _drain(t, fd, tx, -1, loss)
 
 
-@njit(**JIT)
+# Compiled without reference counting (numba's `_nrt=False`): every array it touches is a raw view
+# (transport.raw) that the caller keeps alive, and it allocates nothing. With counting on, numba still
+# emitted a call to NRT_incref or NRT_decref for each of the ~25 arrays of the slot table and the receive
+# batch around every inlined helper, per datagram: calls on null pointers (the views are raw), yet with
+# 1,472-byte datagrams dropping them cut the aggregator's CPU for a dense 100 MB allreduce of 4 workers
+# from 0.13 to 0.077 s.
+@njit(_nrt=False, **JIT)
 def _run(t, k, fd, rx, n, i, off, job_ids, tx, loss):
     """The datagrams of job t (index k) from (i, off) on, until one that is not: returns its position.
     (t is an argument, never reassigned: a record held in a loop variable would have the reference counts
