@@ -678,14 +678,15 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
     arrives (on socket fd, and on the multicast group's socket `group` unless it is -1), send the next rounds of the columns that are ready (after each batch, so that a worker that
     fell behind answers with fewer, fuller datagrams), wait on the socket until the machine's timer.
     Returns (outcome, n, i, off) where Python must step in: DONE, TIMER (poll: retransmissions or the
-    timeout), PROBE (a datagram arrived from an aggregator with a probe out: i[I_EVENT_AGG]; the batch
-    goes on from (i, off)), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
+    timeout), PROBE (datagrams arrived from an aggregator with a probe out, and everything queued has
+    been read: the machine judges the answer, R-L2), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
     `room`: grow the sink, then go on from (i, off)). The pacer's timer (R-C7) is the loop's own: it
     wakes the loop, whose next flush_ready sends what the pacer held back."""
     A = keys.shape[0]
     st, rx, tx = _raw_state(st), T.raw_rx(rx), T.raw_tx(tx)
     wait = 0
     progress = st.f[F_LAST_PROGRESS]   # as of the batch's start
+    probe_answer = False
     while True:
         if i >= n:                     # read what is queued (or wait for it) before judging timers
             n = T.receive2(fd, group, rx, wait)
@@ -727,8 +728,7 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                     st.i[I_VIOLATION] = code
                     return VIOLATION, n, i, off
                 if code == PROBE_OUT:
-                    st.i[I_EVENT_AGG] = a
-                    return PROBE, n, i, off
+                    probe_answer = True
             i += 1
             off = 0
         # the clock again: applying a batch can take milliseconds on a busy host, and the rounds' send
@@ -747,8 +747,11 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
         # results, more may wait behind it: a worker that waited for a core finds a backlog, and judged
         # in the middle of it, its own late reading looked like losses (340 entries resent in a
         # loss-free run on loopback). (Only after progress: a flood of other datagrams cannot hold
-        # the timers, and so the timeout, off.)
-        if now >= t and not (n == rx.length.shape[0] and st.f[F_LAST_PROGRESS] > progress):
+        # the timers, and so the timeout, off.) Answers to probes likewise (R-L2).
+        backlog = n == rx.length.shape[0] and st.f[F_LAST_PROGRESS] > progress
+        if probe_answer and not backlog:
+            return PROBE, 0, 0, 0
+        if now >= t and not backlog:
             return TIMER, 0, 0, 0
         t = min(t, pace_timer(st), drain_timer(st))   # the pacer's columns go out in the next flush_ready
         wait = (0 if n == rx.length.shape[0] or t <= now else

@@ -547,7 +547,7 @@ class Worker:
                 return
             now = time.monotonic()
             if outcome == K.PROBE:
-                m.probe_answered(int(m.st.i[WS.I_EVENT_AGG]), now)
+                m.judge_probes(now)
             elif outcome == K.VIOLATION:
                 m.fail(int(m.st.i[WS.I_VIOLATION]), int(m.st.i[WS.I_EVENT_AGG]))      # R-L4: raises
             elif outcome == K.TIMER:

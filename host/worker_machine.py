@@ -261,6 +261,9 @@ class AllreduceMachine:
         self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
         self.probes = 0
         self.retransmitted = 0
+        # per aggregator, the other columns whose timers had expired when its probe went out, and their
+        # rounds then (probe_answered: did any of them complete without being resent?)
+        self._probed_expired = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * A
         self.failed: str | None = None    # a protocol violation ended this allreduce (R-L4)
 
     # -- the record's scalars, by name ----------------------------------------------------------------
@@ -382,7 +385,9 @@ class AllreduceMachine:
         return out
 
     def flush(self, now: float) -> list[tuple[int, memoryview]]:
-        """Send the next round's entries of every column that got its result since the last flush."""
+        """Send the next round's entries of every column that got its result since the last flush (and
+        judge the answers to probes that came with them: judge_probes)."""
+        self.judge_probes(now)
         return self._datagrams(K.flush_ready(self.st, now))
 
     def poll(self, now: float) -> list[tuple[int, memoryview]]:
@@ -402,6 +407,7 @@ class AllreduceMachine:
         """
         if self.done:
             return []
+        self.judge_probes(now)
         st = self.st
         if st.i[WS.I_PACE_HELD] and now < K.recovery_timer(st):
             return self.flush(now)
@@ -418,6 +424,7 @@ class AllreduceMachine:
                 st.allow[a] = 1           # probe, or probe again
             else:
                 st.allow[a] = 0
+        expired = (st.round_block != P.END) & ~st.ready & (st.deadline <= now)
         n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.rto,
                            st.allow, self.cfg.max_rto, now)
         if n == 0:
@@ -429,6 +436,9 @@ class AllreduceMachine:
                 if len(taken):
                     st.probe[a] = taken[0]
                     st.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
+                    cols = self.columns_of[a]
+                    waited = cols[expired[cols] & (cols != taken[0])]
+                    self._probed_expired[a] = (waited, st.round_block[waited].copy())
                     self.probes += 1
             elif st.allow[a] == S:
                 CC.on_loss(st, now)                            # R-C4
@@ -459,37 +469,56 @@ class AllreduceMachine:
         current = self.st.round_block[self.layout.column_of_block(blocks)]
         return (current == P.END) | ((current != P.BOOT) & (blocks < current))
 
+    def judge_probes(self, now: float) -> None:
+        """R-L2: what the answers to the probes out say, judged once everything queued has been read
+        (drivers call it after each batch they read, through flush, datagrams_to_send or poll): the results of
+        other columns may lie behind a probe's answer, and on another socket (a multicast group's), and
+        judged without them those columns looked lost. A probe not answered yet stays out."""
+        for a in np.flatnonzero(self.st.probe >= 0):
+            self.probe_answered(int(a), now)
+
     def probe_answered(self, a: int, now: float) -> None:
-        """After a datagram from aggregator a while a probe is out: did it answer the probe?"""
+        """Whether aggregator a answered its probe, and what that says (see judge_probes)."""
         st = self.st
         p = st.probe[a]
         if st.waiting_for[p] >= 0:
-            # The aggregator holds our entry and waits for others: back off every pending column.
+            # The aggregator holds our entry and waits for others
             st.probe[a] = -1
-            cols = self.columns_of[a]
-            # (not the columns the window holds back: they have nothing in flight)
-            pending = cols[(st.round_block[cols] != P.END) & ~(st.ready[cols] & (cols >= self.admitted))]
-            st.rto[pending] = np.minimum(st.rto[pending] * 2, self.cfg.max_rto)
-            st.deadline[pending] = np.maximum(st.deadline[pending], now + st.rto[pending])
+            self._back_off(a, now)
         elif st.round_block[p] == P.END or not np.isfinite(st.deadline[p]) or st.ready[p]:
-            # The probe's round completed. A loss if other columns of this aggregator are still
-            # expired without a result; none when the probe merely crossed the RESULT of its round.
+            # The probe's round completed. A loss if other columns of this aggregator are still expired
+            # without a result; none when the probe merely crossed the RESULT of its round, and none when a
+            # column that had expired with it completed since without being resent: the aggregator had
+            # that entry, and its rounds waited for a slower rank, as the probe's may have (F-RTO's test of
+            # a timeout, RFC 5682, section 2.1: new data acknowledged that was not retransmitted).
             st.probe[a] = -1
+            waited, rounds = self._probed_expired[a]
+            if ((st.round_block[waited] != rounds) | st.ready[waited]).any():
+                self._back_off(a, now)
+                return
             cols = self.columns_of[a]
             expired = (st.round_block[cols] != P.END) & ~st.ready[cols] & (st.deadline[cols] <= now)
             st.loss_confirmed[a] = bool(expired.any())
 
+    def _back_off(self, a: int, now: float) -> None:
+        """Aggregator a holds our entries and waits for other ranks: every pending column's timer doubles."""
+        st = self.st
+        cols = self.columns_of[a]
+        # (not the columns the window holds back: they have nothing in flight)
+        pending = cols[(st.round_block[cols] != P.END) & ~(st.ready[cols] & (cols >= self.admitted))]
+        st.rto[pending] = np.minimum(st.rto[pending] * 2, self.cfg.max_rto)
+        st.deadline[pending] = np.maximum(st.deadline[pending], now + st.rto[pending])
+
     def receive(self, aggregator: int, datagram, now: float, ce: bool = False) -> None:
         """Take one datagram from an aggregator (`ce`: it arrived marked Congestion Experienced, R-C6);
-        results only mark columns ready (see flush)."""
+        results only mark columns ready (see flush), and answers to probes are judged after the batch
+        (judge_probes)."""
         self._check_failed()
         if self.output.collect:
             self.grow(self._max_rows)
         code = K.receive_one(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now, ce)
         if code > 0:
             self.fail(code, aggregator)
-        if code == K.PROBE_OUT:
-            self.probe_answered(aggregator, now)
 
     def receive_many(self, datagrams, now: float) -> None:
         """Take several datagrams, as (aggregator index, bytes), in arrival order."""
