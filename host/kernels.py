@@ -43,8 +43,8 @@ from .worker_state import (
     D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_SENT, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO,
     F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
     I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM,
-    I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_REMAINING, I_SOURCE_N, I_STAMP, I_VIOLATION, I_WINDOW,
-    WorkerState)
+    I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP, I_VIOLATION,
+    I_WINDOW, WorkerState)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -401,6 +401,9 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         status_seen[c] = False
         deadline[c] = np.inf
         if nxt != END:
+            if not st.ready[c]:
+                st.queue[st.i[I_QUEUED]] = c
+                st.i[I_QUEUED] += 1
             st.ready[c] = True
         else:
             counts[2] += 1
@@ -408,47 +411,76 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
 
 
 @njit(**JIT)
-def take_ready(ready, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted, budget, quantum,
-               first):
-    """The ready columns, grouped by aggregator from aggregator `first` on (in `cols`), with their timers
-    started. Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's
-    window, R-L6), and so do those past the first `budget` columns past their bootstrap (the pacer, R-C7);
-    a budget under `quantum` columns sends none of them unless it covers them all (the pacer releases a
-    full datagram's entries at once, R-C7). Returns (columns taken, how many of them are past their
-    bootstrap, the columns the budget must cover before the next send (0: none held back), the
-    aggregator after the last one whose column was taken past its bootstrap: where to go on)."""
-    S = ready.shape[0]
+def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted,
+               budget, quantum, first, per_agg):
+    """The ready columns (queue[:queued], in the order their results arrived), in that order within each
+    aggregator's group, the groups from aggregator `first` on (in `cols`), with their timers started.
+    Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's window, R-L6),
+    and so do those past the first `budget` columns past their bootstrap (the pacer, R-C7); a budget
+    under `quantum` columns sends none of them unless it covers them all (the pacer releases a full
+    datagram's entries at once, R-C7). Columns that stay keep their place in the queue. Returns (columns
+    taken, how many of them are past their bootstrap, the columns the budget must cover before the next
+    send (0: none held back), the aggregator after the last one whose column was taken past its
+    bootstrap: where to go on, the columns left in the queue). `per_agg` is scratch, one per aggregator.
+
+    Why arrival order (R-A8): every rank receives the results of an aggregator in the same order, so every
+    rank then sends its entries in that order, and the aggregator's rounds complete in the order each
+    rank sent them. In column order, a rank that read two results in one batch sent them in the order of
+    their columns, and another that read them in two batches in the order of their arrival: rounds then
+    completed out of a rank's sending order, which loss detection (R-C4) takes for losses."""
     if budget < quantum:
         waiting = 0
-        for c in range(min(admitted, S)):
-            if ready[c] and round_block[c] != BOOT:
+        for q in range(queued):
+            c = queue[q]
+            if c < admitted and round_block[c] != BOOT:
                 waiting += 1
                 if waiting > budget:
                     budget = 0
                     break
+    for a in range(aggregators):
+        per_agg[a] = 0
     k = 0
+    kept = 0
     paced = 0
     held = 0
     resume = first
-    for j in range(aggregators):
-        a = (first + j) % aggregators
-        for c in range(a, S, aggregators):
-            if not ready[c]:
+    for q in range(queued):
+        c = queue[q]
+        if round_block[c] != BOOT:
+            if c >= admitted:
+                queue[kept] = c
+                kept += 1
                 continue
-            if round_block[c] != BOOT:
-                if c >= admitted:
-                    continue
-                if paced >= budget:
-                    held += 1
-                    continue
-                paced += 1
-                resume = (a + 1) % aggregators
-            ready[c] = False
-            cols[k] = c
-            deadline[c] = now + rto[c]
-            sent_at[c] = now
-            k += 1
-    return k, paced, min(held, quantum), resume
+            if paced >= budget:
+                held += 1
+                queue[kept] = c
+                kept += 1
+                continue
+            paced += 1
+            resume = (c % aggregators + 1) % aggregators
+        ready[c] = False
+        cols[k] = c
+        per_agg[c % aggregators] += 1
+        deadline[c] = now + rto[c]
+        sent_at[c] = now
+        k += 1
+    if aggregators > 1 and k > 1:
+        # group by aggregator, from `first` on, keeping the order within each group: taken columns go
+        # to the end of queue as scratch (queue[kept:kept + k] is free)
+        start = 0
+        for j in range(aggregators):
+            a = (first + j) % aggregators
+            n_a = per_agg[a]
+            per_agg[a] = start
+            start += n_a
+        for t in range(k):
+            queue[kept + t] = cols[t]
+        for t in range(k):
+            c = queue[kept + t]
+            a = c % aggregators
+            cols[per_agg[a]] = c
+            per_agg[a] += 1
+    return k, paced, min(held, quantum), resume, kept
 
 
 @njit(**JIT)
@@ -613,9 +645,11 @@ def flush_ready(st, now):
         drain_step(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
-    n, columns, held, resume = take_ready(st.ready, st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto,
-                                          now, st.round_block, st.i[I_ADMITTED], pace_budget(st, now),
-                                          entries_per_datagram(st), st.i[I_PACE_FROM])
+    n, columns, held, resume, kept = take_ready(
+        st.ready, st.queue, st.i[I_QUEUED], st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now,
+        st.round_block, st.i[I_ADMITTED], pace_budget(st, now), entries_per_datagram(st), st.i[I_PACE_FROM],
+        st.allow)
+    st.i[I_QUEUED] = kept
     pace_sent(st, columns, held, resume)
     return encode_columns(st, n) if n else 0
 
@@ -646,7 +680,7 @@ def _raw_state(st):
     return WorkerState(
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
-        T.raw(st.ready), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
+        T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
         T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe), T.raw(st.loss_confirmed),
         T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols), T.raw(st.seen),
         T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts),

@@ -217,7 +217,7 @@ class AllreduceMachine:
             mine_pos=starts[:-1].astype(np.int64), col_stop=starts[1:].astype(np.int64),
             seq=np.append(source.blocks[order], P.END).astype(np.int64),
             seq_exp=source.exps[order].astype(np.int64), seq_row=source.rows[order].astype(np.int64),
-            src=source.values, ready=np.zeros(S, bool), deadline=np.full(S, np.inf),
+            src=source.values, ready=np.zeros(S, bool), queue=np.zeros(S, np.int64), deadline=np.full(S, np.inf),
             rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
@@ -368,6 +368,8 @@ class AllreduceMachine:
         self.st.f[WS.F_LAST_PROGRESS] = now
         self.st.last_heard[:] = now
         self.st.ready[:] = True
+        self.st.queue[:] = np.arange(self.layout.columns)
+        self.st.i[WS.I_QUEUED] = self.layout.columns
         self.st.i[WS.I_REMAINING] = self.layout.columns
 
     def start(self, now: float) -> list[tuple[int, memoryview]]:

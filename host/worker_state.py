@@ -24,6 +24,8 @@ class WorkerState(NamedTuple):
     seq_row: np.ndarray        # int64: their rows in src
     src: np.ndarray            # float32 or uint32: the input values
     ready: np.ndarray          # bool [S]: the next round's entry is still to send
+    queue: np.ndarray          # int64 [S]: the ready columns, i[I_QUEUED] of them, in the order their
+    #                            results arrived, which flush_ready keeps (R-A8)
     deadline: np.ndarray       # float64 [S]: retransmission timers (R-L1)
     rto: np.ndarray            # float64 [S]
     sent_at: np.ndarray        # float64 [S]: first transmission of the round (NaN once retransmitted)
@@ -33,7 +35,7 @@ class WorkerState(NamedTuple):
     loss_confirmed: np.ndarray  # bool [A]
     last_heard: np.ndarray     # float64 [A]
     slots_used: np.ndarray     # int64 [A]
-    allow: np.ndarray          # int64 [A]: scratch for take_expired
+    allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
     cols: np.ndarray           # int64 [S]: scratch: columns to send
     seen: np.ndarray           # int64: scratch for check_slots
     out: np.ndarray            # uint8: datagrams to send
@@ -58,8 +60,8 @@ class WorkerState(NamedTuple):
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
  I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
- I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN) = range(34)
-N_I = I_DELIVERED_COLUMN + 1
+ I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED) = range(35)
+N_I = I_QUEUED + 1
 N_COUNTS = 9    # WorkerState.counts (apply_datagram says what each holds)
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
