@@ -477,6 +477,14 @@ def rounds_ready(srtt=0.01, cwnd=40, now=1.0, **cfg):
     return m
 
 
+def set_ready(m, columns):
+    """Only `columns` wait to send their next round (in that order: R-A8)."""
+    m.st.ready[:] = False
+    m.st.ready[columns] = True
+    m.st.queue[:len(columns)] = columns
+    m.st.i[WS.I_QUEUED] = len(columns)
+
+
 def sent(m, now, call="flush"):
     """How many columns a flush (or poll) at `now` sends."""
     return len(sent_columns(m, now, call))
@@ -540,8 +548,7 @@ def test_the_pacer_releases_a_full_datagram_of_entries_at_once():
     assert sent(m, 1.0 + 1.5 * interval) == 0                       # one entry's credit: held
     assert m.timer() == pytest.approx(1.0 + 4 * interval)           # when it covers a datagram
     assert sent(m, m.timer(), call="poll") == 4
-    m.st.ready[:] = False
-    m.st.ready[20:22] = True                                        # fewer wait than a datagram holds:
+    set_ready(m, [20, 21])                                          # fewer wait than a datagram holds:
     assert sent(m, m.timer() + 2 * interval) == 2                   # they go once the bucket covers them
 
 
@@ -563,14 +570,17 @@ def test_the_pacers_round_trip_is_the_last_epochs_least_not_a_round_that_waited(
     assert m.pacing[0] == pytest.approx(2 * 40 * ENTRY / 0.01)
 
 
-def test_the_pacer_takes_turns_among_aggregators():
-    """Columns c of aggregator c mod 2: once the bucket held some back, the next flush begins with the
-    aggregator after the last one served, so aggregator 0's columns do not always go first."""
+def test_the_pacer_serves_aggregators_in_the_order_their_results_arrived():
+    """Columns c of aggregator c mod 2: the bucket goes to the columns in the order their results arrived
+    (R-A8), whichever aggregator's they are, so aggregator 0's columns do not always go first; within a
+    flush they are grouped by aggregator."""
     m = rounds_ready(aggregators=2)
-    assert sent_columns(m, 1.0) == list(range(0, 16, 2))            # the bucket: 8 of aggregator 0
-    assert sent_columns(m, m.timer()) == [1]                        # then aggregator 1's turn
-    assert sent_columns(m, m.timer()) == [16]
-    assert sent_columns(m, m.timer()) == [3]
+    set_ready(m, [9, 4, 7, 0, 2, 11, 5, 13, 6, 1, 8])
+    assert sent_columns(m, 1.0) == [0, 2, 4, 5, 7, 9, 11, 13]        # the bucket: the first 8 to arrive
+    assert m.st.cols[:8].tolist() in ([4, 0, 2, 9, 7, 11, 5, 13], [9, 7, 11, 5, 13, 4, 0, 2])
+    assert sent_columns(m, m.timer()) == [6]                        # then the next to arrive
+    assert sent_columns(m, m.timer()) == [1]
+    assert sent_columns(m, m.timer()) == [8]
 
 
 def test_bootstrap_entries_are_not_paced():

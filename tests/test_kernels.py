@@ -485,3 +485,38 @@ def test_nan_and_inf_are_refused_before_anything_is_sent():
             assert agg.data_datagrams() > 0
     finally:
         agg.close()
+
+
+def _take_ready(queue, S, A, admitted, budget, quantum=1, first=0, boot=()):
+    """K.take_ready over the ready columns `queue` (in arrival order) of S columns and A aggregators, every
+    column past its bootstrap except those in `boot`. Returns (columns taken, queue left, paced, held)."""
+    ready = np.zeros(S, bool)
+    ready[queue] = True
+    q = np.zeros(S, np.int64)
+    q[:len(queue)] = queue
+    round_block = np.full(S, 7, np.int64)
+    round_block[list(boot)] = P.BOOT
+    cols = np.zeros(S, np.int64)
+    deadline, sent_at, rto = np.full(S, np.inf), np.full(S, np.nan), np.full(S, 0.2)
+    k, paced, held, _, kept = K.take_ready(ready, q, len(queue), cols, A, deadline, sent_at, rto, 1.0,
+                                           round_block, admitted, budget, quantum, first, np.zeros(A, np.int64))
+    taken = cols[:k].tolist()
+    assert not ready[taken].any() and ready[q[:kept]].all()
+    assert (deadline[taken] == 1.2).all() and (sent_at[taken] == 1.0).all()
+    return taken, q[:kept].tolist(), paced, held
+
+
+def test_take_ready_keeps_the_arrival_order_within_each_aggregator():
+    """R-A8: columns leave in the order their results arrived, grouped by aggregator from `first` on."""
+    assert _take_ready([5, 2, 7, 0, 3], 8, 1, 8, 100)[:2] == ([5, 2, 7, 0, 3], [])
+    assert _take_ready([5, 2, 7, 0, 3], 8, 2, 8, 100)[:2] == ([2, 0, 5, 7, 3], [])
+    assert _take_ready([5, 2, 7, 0, 3], 8, 2, 8, 100, first=1)[:2] == ([5, 7, 3, 2, 0], [])
+
+
+def test_take_ready_leaves_what_the_window_and_the_pacer_hold_in_its_place():
+    """R-L6 and R-C7: columns past the window stay queued, bootstraps go regardless; past the pacer's
+    budget the rest stays, in arrival order, ahead of results that arrive later."""
+    taken, left, paced, held = _take_ready([6, 1, 4, 0], 8, 1, 3, 100, boot=[6])
+    assert (taken, left, paced, held) == ([6, 1, 0], [4], 2, 0)
+    taken, left, paced, held = _take_ready([5, 2, 7, 0, 3], 8, 1, 8, 2)
+    assert (taken, left, paced, held) == ([5, 2], [7, 0, 3], 2, 1)

@@ -476,6 +476,28 @@ def test_a_probe_answered_while_other_expired_columns_complete_unresent_is_no_lo
     assert (m0.retransmitted, m1.retransmitted) == (0, 0)
 
 
+def test_next_rounds_leave_in_the_order_their_results_arrived():
+    """R-A8: rank 1's bootstrap entries reach the aggregator in a shuffled order, so the rounds complete,
+    and their results arrive at rank 0 (in one batch), in that order; rank 0 sends its next rounds in the
+    same order, as every rank does, and not in column order (a rank that read the results in several
+    batches would send them in their arrival order: the two orders would differ)."""
+    agg, (m0, m1), xs = _machines(2, max_entries=1)
+    ms = [m0, m1]
+    assert _to_agg(agg, 0, m0.start(0.0)) == []
+    boot = m1.start(0.0)
+    order = [5, 2, 7, 0, 3, 6, 1, 4]
+    by_column = {_column_of(d): (a, d) for a, d in boot}
+    assert sorted(by_column) == list(range(8))
+    assert _to_agg(agg, 1, [by_column[c] for c in order]) == []
+    _deliver(ms, _results(agg), 0.001)
+    sent = m0.datagrams_to_send(0.002)
+    assert [_column_of(d) for _, d in sent] == order
+    _deliver(ms, _to_agg(agg, 0, sent, 0.002), 0.002)
+    _finish(agg, ms, 0.003)
+    ref = reference_allreduce(xs, 4)
+    assert all(m.output.flat.tobytes() == ref.tobytes() for m in ms)
+
+
 N_LARGE = 2 << 20 >> 2     # 2 MB of float32
 
 
