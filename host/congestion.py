@@ -394,8 +394,8 @@ def pace_budget(st, now):
 def pace_sent(st, columns, held, resume):
     """R-C7: `columns` past their bootstrap were sent (their entries leave the bucket); `held` > 0: columns
     stayed ready for want of credit, and the next send waits until the bucket holds `held` columns' entries
-    (the pacer's timer), then begins with aggregator `resume`'s columns (round robin: the first
-    aggregators' columns do not always go first)."""
+    (the pacer's timer), and takes the columns in the order their results arrived (R-A8), grouped by
+    aggregator from aggregator `resume` on."""
     i = st.i
     if i[I_PACING]:
         st.f[F_PACE_CREDIT] = max(0.0, st.f[F_PACE_CREDIT] - columns * i[I_ENTRY])
