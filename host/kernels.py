@@ -709,13 +709,14 @@ def queue_cuts(fd, tx, st, nd, keys, loss):
 @njit(**JIT)
 def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
     """The worker's driver loop, from datagram (i, off) of the received batch rx[:n] on: apply what
-    arrives (on socket fd, and on the multicast group's socket `group` unless it is -1), send the next rounds of the columns that are ready (after each batch, so that a worker that
-    fell behind answers with fewer, fuller datagrams), wait on the socket until the machine's timer.
-    Returns (outcome, n, i, off) where Python must step in: DONE, TIMER (poll: retransmissions or the
-    timeout), PROBE (datagrams arrived from an aggregator with a probe out, and everything queued has
-    been read: the machine judges the answer, R-L2), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected rows would pass
-    `room`: grow the sink, then go on from (i, off)). The pacer's timer (R-C7) is the loop's own: it
-    wakes the loop, whose next flush_ready sends what the pacer held back."""
+    arrives (on socket fd, and on the multicast group's socket `group` unless it is -1), send the next
+    rounds of the columns that are ready (after each batch, so that a worker that fell behind answers
+    with fewer, fuller datagrams), wait on the socket until the machine's timer. Returns (outcome, n, i,
+    off) where Python must step in: DONE, TIMER (poll: retransmissions or the timeout), PROBE (datagrams
+    arrived from an aggregator with a probe out, and everything queued has been read: the machine judges
+    the answer, R-L2), VIOLATION (i[I_VIOLATION] from aggregator i[I_EVENT_AGG]), NEED_ROWS (collected
+    rows would pass `room`: grow the sink, then go on from (i, off)). The pacer's timer (R-C7) is the
+    loop's own: it wakes the loop, whose next flush_ready sends what the pacer held back."""
     A = keys.shape[0]
     st, rx, tx = _raw_state(st), T.raw_rx(rx), T.raw_tx(tx)
     wait = 0
