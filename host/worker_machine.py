@@ -426,7 +426,7 @@ class AllreduceMachine:
                 st.allow[a] = 1           # probe, or probe again
             else:
                 st.allow[a] = 0
-        expired = (st.round_block != P.END) & ~st.ready & (st.deadline <= now)
+        expired = self._expired(now)
         n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.rto,
                            st.allow, self.cfg.max_rto, now)
         if n == 0:
@@ -498,9 +498,12 @@ class AllreduceMachine:
             if ((st.round_block[waited] != rounds) | st.ready[waited]).any():
                 self._back_off(a, now)
                 return
-            cols = self.columns_of[a]
-            expired = (st.round_block[cols] != P.END) & ~st.ready[cols] & (st.deadline[cols] <= now)
-            st.loss_confirmed[a] = bool(expired.any())
+            st.loss_confirmed[a] = bool(self._expired(now)[self.columns_of[a]].any())
+
+    def _expired(self, now: float) -> np.ndarray:
+        """Per column: its round is in flight without a result and its timer has expired."""
+        st = self.st
+        return (st.round_block != P.END) & ~st.ready & (st.deadline <= now)
 
     def _back_off(self, a: int, now: float) -> None:
         """Aggregator a holds our entries and waits for other ranks: every pending column's timer doubles."""
