@@ -15,6 +15,10 @@ JIT = dict(cache=True, nogil=True)
 
 HDR = spec.PACKET_HEADER.size
 ENT = spec.ENTRY_HEADER.size
+# The kernels read and write a datagram's values as 32-bit words of one view of it: every value then
+# starts at a multiple of 4 bytes.
+if HDR % 4 or ENT % 4:
+    raise ImportError(f"the packet header ({HDR} bytes) and entry header ({ENT}) must be multiples of 4 bytes")
 _H, _E = spec.PACKET_HEADER.offset, spec.ENTRY_HEADER.offset
 # packet header
 H_VERSION, H_TYPE, H_JOB, H_RANK, H_WORLD = _H("version"), _H("type"), _H("job"), _H("rank"), _H("world")

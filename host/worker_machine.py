@@ -35,6 +35,7 @@ from .layout import Layout
 
 JOIN_INTERVAL = 0.05   # R-J1 (docs/protocol.md): JOIN is repeated every 50 ms until all ranks joined
 DELAY_TARGET = 0.005   # R-C3: well under the 50 ms a shaper or switch port typically queues
+_NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (kernels.sort_by_column)
 
 
 class PathEstimate(NamedTuple):
@@ -197,9 +198,12 @@ class AllreduceMachine:
 
         S, A = layout.columns, layout.aggregators
         # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of seq.
-        cols = layout.column_of_block(source.blocks)
-        order = np.argsort(cols, kind="stable")
-        starts = np.searchsorted(cols[order], np.arange(S + 1))
+        k = len(source.blocks)
+        seq, seq_exp, seq_row = np.empty(k + 1, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)
+        starts = np.empty(S + 1, np.int64)
+        K.sort_by_column(source.blocks, source.exps, source.rows, S,
+                         _NO_ORDER if layout.column_order is None else layout.column_order,
+                         seq, seq_exp, seq_row, starts)
         # The window (R-L6): at most `window` columns past their bootstrap in flight, admitted in column
         # order. `admitted` columns (a prefix) may send. The congestion window (R-C*) sets it as it goes.
         entry = P.ENTRY_SIZE + 4 * self.B
@@ -214,9 +218,7 @@ class AllreduceMachine:
         self.st = WS.WorkerState(
             hdr=np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64),
             round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
-            mine_pos=starts[:-1].astype(np.int64), col_stop=starts[1:].astype(np.int64),
-            seq=np.append(source.blocks[order], P.END).astype(np.int64),
-            seq_exp=source.exps[order].astype(np.int64), seq_row=source.rows[order].astype(np.int64),
+            mine_pos=starts[:-1].copy(), col_stop=starts[1:].copy(), seq=seq, seq_exp=seq_exp, seq_row=seq_row,
             src=source.values, ready=np.zeros(S, bool), queue=np.zeros(S, np.int64), deadline=np.full(S, np.inf),
             rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),

@@ -23,6 +23,7 @@ from zerosum import protocol as P
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.blocks import scan
 from zerosum.fixedpoint import dequantize, precision_bits, quantize, scale_rows
+from zerosum.layout import Layout, balanced_column_order
 from zerosum.reference import reference_allreduce
 
 F32_MAX_BITS = 0x7F7FFFFF
@@ -212,6 +213,34 @@ def test_nan_and_inf_name_the_first_bad_block(n, block_size, offset, bad_bits, s
         scan(x, block_size)
     for use_words in [False] + ([True] if uses_or_path(x, block_size) else []):
         assert kernel_scan(x, block_size, use_words)[2] == first
+
+
+# -- grouping a worker's blocks by column ----------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(nblocks=st.integers(1, 5000), aggregators=st.integers(1, 3), slots=st.integers(1, 80),
+       balanced=st.booleans(), fraction=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
+def test_sort_by_column_is_a_stable_argsort_by_column(nblocks, aggregators, slots, balanced, fraction, seed):
+    """kernels.sort_by_column against numpy's stable argsort of Layout.column_of_block: the same order,
+    the same column starts, exponents and rows carried along, END after the last block; with plain
+    striping and with a balanced column order, blocks far apart (steps of more than a column's width)
+    and adjacent."""
+    rng = np.random.default_rng(seed)
+    order = balanced_column_order(rng.random(nblocks), aggregators, slots) if balanced else None
+    layout = Layout(aggregators, slots, nblocks, order)
+    S = layout.columns
+    blocks = np.flatnonzero(rng.random(nblocks) < fraction).astype(np.int64)
+    exps = rng.integers(-149, 128, len(blocks)).astype(np.int32)
+    rows = rng.integers(0, 1 << 40, len(blocks))
+    by_column = np.argsort(layout.column_of_block(blocks), kind="stable")
+    seq, seq_exp, seq_row = (np.empty(len(blocks) + 1, np.int64), np.empty(len(blocks), np.int64),
+                             np.empty(len(blocks), np.int64))
+    starts = np.full(S + 1, -7, np.int64)
+    K.sort_by_column(blocks, exps, rows, S, np.zeros(0, np.int64) if order is None else order,
+                     seq, seq_exp, seq_row, starts)
+    assert seq[:-1].tolist() == blocks[by_column].tolist() and seq[-1] == K.END
+    assert seq_exp.tolist() == exps[by_column].tolist() and seq_row.tolist() == rows[by_column].tolist()
+    assert starts.tolist() == np.searchsorted(layout.column_of_block(blocks)[by_column], np.arange(S + 1)).tolist()
 
 
 # -- quantising and dequantising: every power of two -------------------------------------------------------
