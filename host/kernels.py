@@ -175,6 +175,9 @@ def sort_by_column(blocks, exps, rows, columns, column_order, seq, seq_exp, seq_
 # way), and float32(sum) * 2**s rounds once, as np.ldexp does; shifts beyond float32's exponent range
 # take float64, where the same operations are exact until the final rounding.
 _F32_LO, _F32_HI = -126, 127
+# 2**s as float32 for s in -149..127 (every power of two float32 holds), read by index instead of a libm
+# ldexp call per block: _POW2_F32[s + 149]
+_POW2_F32 = np.ldexp(np.float32(1.0), np.arange(-149, _F32_HI + 1)).astype(np.float32)
 
 
 @njit(**JIT)
@@ -183,7 +186,7 @@ def _quantize_swapped(src, base, count, shift, words):
     # from vectorising the loop (5x slower).
     x = src[base: base + count]
     if _F32_LO <= shift <= _F32_HI:
-        scale = np.float32(math.ldexp(1.0, shift))
+        scale = _POW2_F32[shift + 149]
         for v in range(count):
             q = np.uint32(np.int32(np.rint(x[v] * scale)))
             words[v] = _swap(q)
@@ -206,7 +209,7 @@ def _store_ints(words, count, out, dst):
 def _store_floats(words, count, shift, divisor, out, dst):
     o = out[dst: dst + count]
     if -149 <= shift <= _F32_HI:
-        scale = np.float32(math.ldexp(1.0, shift))
+        scale = _POW2_F32[shift + 149]
         if divisor == 1:
             for v in range(count):
                 w = words[v]
