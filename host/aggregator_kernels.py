@@ -32,14 +32,14 @@ from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_REASONS, END, ENT, H_BLOCK_
 # Slot registers: columns of the `regs` array (the P4 program's register names).
 (SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,
  PREV_EPOCH, PREV_BLOCK, PREV_NEXT, PREV_EXP, PREV_NEXT_EXP, PREV_HAS_DATA, PENDING, CONGESTION_REG,
- PREV_CONGESTION) = range(18)
+ PREV_CONGESTION, BANK) = range(19)
 REGISTERS = ("slot_epoch", "slot_block", "slot_exp", "slot_tensor_blocks", "bitmap", "count", "min_next",
              "min_next_exp", "has_data", "prev_epoch", "prev_block", "prev_next", "prev_exp", "prev_next_exp",
-             "prev_has_data", "pending", "congestion", "prev_congestion")
+             "prev_has_data", "pending", "congestion", "prev_congestion", "bank")
 # slot_epoch -1: a slot no BOOT of this run has started (no 32-bit epoch equals it), so the run's first
 # BOOT starts it whatever its epoch, as a new generation does on the switch (R-A1).
 REGISTER_RESET = (-1, spec.END, spec.NO_EXP, 0, 0, 0, spec.END, spec.NO_EXP, 0, 0, spec.END, spec.END,
-                  spec.NO_EXP, spec.NO_EXP, 0, 0, 0, 0)
+                  spec.NO_EXP, spec.NO_EXP, 0, 0, 0, 0, 0)
 
 # counters[] indices (spec.COUNTERS order) that the data path counts
 _C = spec.COUNTER_INDEX
@@ -57,9 +57,11 @@ DONE, DUPS, RETX, STALE, MISMATCH, ROUNDS = range(6)
 
 class SlotTable(NamedTuple):
     """One job's aggregation state, as the kernels see it (AggregatorMachine owns it)."""
-    regs: np.ndarray        # int64 [slots, 18]: the slot registers
-    acc: np.ndarray         # int32 [slots, block_size]: running sums
-    shadow: np.ndarray      # int32 [slots, block_size]: the previous round's result (R-A3)
+    regs: np.ndarray        # int64 [slots, 19]: the slot registers
+    # int32 [2 * slots, block_size]: slot s's two banks, rows 2s and 2s + 1. The current round sums into
+    # row 2s + bank (its first data is written, later data added); completing it flips `bank`, so the
+    # finished row is the previous round's result (R-A3) with nothing copied or cleared, as on the switch.
+    pool: np.ndarray
     geometry: np.ndarray    # int64 [5]: job, world, block_size, max_datagram, multicast group (key, -1: none)
     counters: np.ndarray    # int64 [len(spec.COUNTERS)]
     seen: np.ndarray        # int64 [slots]: slots named by the current datagram (R-V10)
@@ -77,7 +79,7 @@ def slot_table(job: int, world: int, slots: int, block_size: int, max_datagram: 
                counters: np.ndarray, multicast: int = -1) -> SlotTable:
     per_slot = ENT + 4 * block_size + HDR
     return SlotTable(np.tile(np.array(REGISTER_RESET, np.int64), (slots, 1)),
-                     np.zeros((slots, block_size), np.int32), np.zeros((slots, block_size), np.int32),
+                     np.zeros((2 * slots, block_size), np.int32),
                      np.array([job, world, block_size, max_datagram, multicast], np.int64),
                      counters, np.zeros(slots, np.int64),
                      np.zeros(slots, np.int64), np.zeros((2, slots), np.int64), np.zeros(6, np.int64),
@@ -91,7 +93,7 @@ def slot_table(job: int, world: int, slots: int, block_size: int, max_datagram: 
 @njit(**JIT)
 def _raw_table(t):
     """t over the same memory, without reference counts (transport.raw)."""
-    return SlotTable(T.raw(t.regs), T.raw(t.acc), T.raw(t.shadow), T.raw(t.geometry), T.raw(t.counters),
+    return SlotTable(T.raw(t.regs), T.raw(t.pool), T.raw(t.geometry), T.raw(t.counters),
                      T.raw(t.seen), T.raw(t.done), T.raw(t.replies), T.raw(t.counts), T.raw(t.state),
                      T.raw(t.wire), T.raw(t.cuts), T.raw(t.accept), T.raw(t.members))
 
@@ -104,18 +106,27 @@ def _newer(a, b):
 
 
 @njit(**JIT)
-def _add_swapped(words, at, acc, s):
-    """acc[s] += the network-order words[at:]. Both are views indexed from 0: with `at + v` numba must
+def _add_swapped(words, at, pool, r):
+    """pool[r] += the network-order words[at:]. Both are views indexed from 0: with `at + v` numba must
     allow for a negative index, and LLVM turns the loop's loads into gathers (4x slower). The views
     cost no atomic reference count updates because the driver loop passes raw arrays (transport.raw)."""
-    w = words[at: at + acc.shape[1]]
-    row = acc[s]
+    w = words[at: at + pool.shape[1]]
+    row = pool[r]
     for v in range(row.shape[0]):
         row[v] += np.int32(swap32(w[v]))
 
 
+@njit(**JIT)
+def _write_swapped(words, at, pool, r):
+    """pool[r] = the network-order words[at:] (a round's first data: the bank is not cleared)."""
+    w = words[at: at + pool.shape[1]]
+    row = pool[r]
+    for v in range(row.shape[0]):
+        row[v] = np.int32(swap32(w[v]))
+
+
 @njit(inline="always", **JIT)
-def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, acc, shadow, seen, stamp,
+def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, pool, seen, stamp,
                done, counts, replies, ce):
     """One DATA datagram from a member: validate it, then add its entries to their slots; `ce`: it
     arrived with an ECN Congestion Experienced mark, which the rounds it adds to echo (R-E1).
@@ -139,7 +150,8 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
         if has:
             row += 1
         # R-A1: a bootstrap entry of a newer epoch starts the slot's next allreduce; the previous round
-        # (prev_*, shadow) is kept, so a worker that lost the old epoch's last result still gets it.
+        # (prev_*, the other bank) is kept, so a worker that lost the old epoch's last result still gets
+        # it. An abandoned round's partial sum needs no clearing: the next data is written over it.
         if block == BOOT and (regs[s, SLOT_EPOCH] < 0 or _newer(epoch, regs[s, SLOT_EPOCH])):
             regs[s, SLOT_EPOCH] = epoch
             regs[s, SLOT_BLOCK] = BOOT
@@ -150,9 +162,6 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
             regs[s, MIN_NEXT] = END
             regs[s, MIN_NEXT_EXP] = NO_EXP
             regs[s, CONGESTION_REG] = 0
-            if regs[s, HAS_DATA_REG]:    # an abandoned round left a partial sum behind
-                for v in range(block_size):
-                    acc[s, v] = 0
             regs[s, HAS_DATA_REG] = 0
         if regs[s, SLOT_EPOCH] == epoch and block == regs[s, SLOT_BLOCK]:
             if regs[s, BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
@@ -165,8 +174,11 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 continue
             # R-A6: add it, mark the rank, count it, keep the minimum next
             if has:
-                _add_swapped(b32, at // 4, acc, s)
-                regs[s, HAS_DATA_REG] = 1
+                if regs[s, HAS_DATA_REG]:
+                    _add_swapped(b32, at // 4, pool, 2 * s + regs[s, BANK])
+                else:
+                    _write_swapped(b32, at // 4, pool, 2 * s + regs[s, BANK])
+                    regs[s, HAS_DATA_REG] = 1
             regs[s, BITMAP] |= bit
             regs[s, COUNT] += 1
             if ce:
@@ -177,11 +189,8 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
             elif nxt == regs[s, MIN_NEXT] and nexp > regs[s, MIN_NEXT_EXP]:
                 regs[s, MIN_NEXT_EXP] = nexp
             if regs[s, COUNT] == world:
-                # R-A7: complete: the result becomes the shadow copy, the slot moves to the minimum next
-                if regs[s, HAS_DATA_REG]:
-                    for v in range(block_size):
-                        shadow[s, v] = acc[s, v]
-                        acc[s, v] = 0
+                # R-A7: complete: its bank becomes the shadow copy, the slot moves to the minimum next
+                regs[s, BANK] ^= 1
                 regs[s, PREV_EPOCH] = regs[s, SLOT_EPOCH]
                 regs[s, PREV_BLOCK] = regs[s, SLOT_BLOCK]
                 regs[s, PREV_NEXT] = regs[s, MIN_NEXT]
@@ -203,7 +212,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                     done[counts[DONE]] = s
                     counts[DONE] += 1
         elif regs[s, PREV_EPOCH] == epoch and block == regs[s, PREV_BLOCK]:
-            # R-A3: answered from the shadow copy, unless the round's RESULT still waits for the flush,
+            # R-A3: answered from the shadow bank, unless the round's RESULT still waits for the flush,
             # which sends it to every worker (a reply now would overtake it and look like a loss)
             if not regs[s, PENDING]:
                 replies[1, counts[RETX]] = s
@@ -215,13 +224,13 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
 
 @njit(**JIT)
 def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
-    """RESULT datagrams of the slots' previous rounds (from the shadow copy), or with `status`, STATUS
+    """RESULT datagrams of the slots' previous rounds (from the shadow bank), or with `status`, STATUS
     datagrams of their current rounds (`next` = bitmap of the ranks heard), appended to t.wire and
     listed in t.cuts; each entry flagged CONGESTION when its round heard a CE mark (R-E1: a resent
     RESULT carries the flag of the first). Cut by bytes (geometry's max_datagram): a result may need
     more datagrams than the contribution that completed it."""
     job, world, B, max_bytes = t.geometry[0], t.geometry[1], t.geometry[2], t.geometry[3]
-    out, regs, shadow = t.wire, t.regs, t.shadow
+    out, regs, pool = t.wire, t.regs, t.pool
     out32 = out.view(np.uint32)       # datagrams are 4-aligned in wire: data words written in place
     per_data = B * 4
     budget = min(max_bytes, MAX_DATAGRAM) - HDR
@@ -252,7 +261,8 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
                 put_entry(out, e, s, flags, regs[s, PREV_BLOCK], regs[s, PREV_NEXT], regs[s, PREV_EXP],
                           regs[s, PREV_NEXT_EXP])
                 if has:
-                    copy_swapped(shadow[s], 0, B, out32[d // 4: d // 4 + B])   # a view: see _add_swapped
+                    # the bank the round finished in (a view: see _add_swapped)
+                    copy_swapped(pool[2 * s + (regs[s, BANK] ^ 1)], 0, B, out32[d // 4: d // 4 + B])
                     d += per_data
             e += ENT
         c = t.state[NCUTS]
@@ -293,7 +303,7 @@ def handle_data(t, b, n, nent, epoch, tensor_blocks, rank, ce):
         counts[k] = 0
     state[STAMP] += 1
     world, B = t.geometry[1], t.geometry[2]
-    reason = contribute(b, n, nent, epoch, tensor_blocks, rank, world, B, t.regs, t.acc, t.shadow, t.seen,
+    reason = contribute(b, n, nent, epoch, tensor_blocks, rank, world, B, t.regs, t.pool, t.seen,
                         state[STAMP], t.done, counts, t.replies, ce)
     if reason != OK:
         t.counters[REASON_COUNTER[reason]] += 1

@@ -9,15 +9,16 @@ job's aggregation has no timers of its own, R-A*; the service's job expiry has).
 `datagrams_to_send` when its socket has nothing more queued (or once per received batch), so that when it
 is busy, the rounds completed by many contributions go out in few, full datagrams.
 
-The data path (validation, the int32 add, completion, shadow copy, RESULT and STATUS encoding) is in
+The data path (validation, the int32 add, completion, RESULT and STATUS encoding) is in
 zerosum.aggregator_kernels, over the job's SlotTable; this class keeps membership and the control flow
 per datagram (the server's compiled driver, aggregator_kernels.serve, takes members' DATA past it over
 the same table). Slot state is one int64 register array (slots x registers) with the P4 program's
 register names (aggregator_kernels.REGISTERS:
 slot_epoch, slot_block, slot_exp, bitmap, count, min_next, min_next_exp, has_data, and for idempotent
 retransmissions the previous round: prev_epoch, prev_block, prev_next, prev_exp, prev_next_exp,
-prev_has_data; and congestion, prev_congestion: a contribution arrived marked CE, R-E1), plus the
-running sums `acc` and the shadow copy `shadow` (slots x block_size int32).
+prev_has_data; congestion, prev_congestion: a contribution arrived marked CE, R-E1; and bank), plus the
+`pool` of sums: two banks per slot (2 x slots x block_size int32), one summing the current round, the
+other holding the previous round's result, flipped when a round completes, as on the switch.
 Counters are one int64 array indexed by COUNTERS (docs/protocol.md, "Counters").
 """
 from __future__ import annotations
@@ -86,7 +87,7 @@ class JobState:
         group = -1 if self.multicast is None else T.address_key(self.multicast)
         self.table = AK.slot_table(self.job, self.world, self.slots, block_size, self.max_datagram, counters,
                                    group)
-        self.regs, self.acc, self.shadow = self.table.regs, self.table.acc, self.table.shadow
+        self.regs, self.pool = self.table.regs, self.table.pool
 
     def __getattr__(self, name: str):
         # The registers by name, as views of one column of `regs` (e.g. state.bitmap).

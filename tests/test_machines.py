@@ -211,6 +211,37 @@ def test_aggregator_round_duplicate_and_shadow():
     assert agg.counters["drop_stale"] == 1
 
 
+def test_banks_keep_the_shadow_and_an_abandoned_round_leaves_nothing_behind():
+    """A round sums into one of its slot's two banks and its completion flips them (as on the switch):
+    the finished bank answers retransmissions while the next round writes its first data into the
+    other; a round abandoned by a job that restarts (a newer epoch's BOOT, R-A1) leaves its partial sum
+    in a bank, which the next round's first data overwrites: it never reaches a later sum."""
+    agg = _member_agg()
+    a, b, c, d = (np.array([[v, -v, 2 * v, 7]], np.int32) for v in (1, 10, 100, 1000))
+
+    def boot(epoch):
+        for rank in (0, 1):
+            assert replies(agg, _data(rank, _entry(0, P.BOOT, 2, next_exp=1), epoch=epoch), ("w", rank)) == []
+        (_, res), = agg.datagrams_to_send(0.0)
+        assert P.decode(res).entries["next"][0] == 2
+
+    boot(1)
+    for rank, row in ((0, a), (1, b)):     # block 2: both have data; then block 5 for both
+        replies(agg, _data(rank, _entry(0, 2, 5, exp=1, next_exp=1, data=True), row), ("w", rank))
+    (_, res), = agg.datagrams_to_send(0.0)
+    assert np.array_equal(P.decode(res).data, a + b)
+    # the next round's first data goes to the other bank: a retransmission still gets a + b
+    replies(agg, _data(0, _entry(0, 5, P.END, exp=1, data=True), c), ("w", 0))
+    (dest, again), = replies(agg, _data(1, _entry(0, 2, 5, exp=1, next_exp=1, data=True), b), ("w", 1))
+    assert dest == [("w", 1)] and again == res
+    # rank 1 never sends block 5: the job restarts (epoch 2), leaving c in a bank
+    boot(2)
+    for rank, row in ((0, d), (1, a)):
+        replies(agg, _data(rank, _entry(0, 2, P.END, exp=1, data=True), row, epoch=2), ("w", rank))
+    (_, res), = agg.datagrams_to_send(0.0)
+    assert np.array_equal(P.decode(res).data, d + a)
+
+
 def test_join_rules():
     agg = AggregatorMachine(7, 2, slots=4)
     j = lambda rank, nonce, world=2, B=4: P.encode(P.Header(P.JOIN, 7, rank, world, nonce, 0, B))
