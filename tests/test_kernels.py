@@ -20,11 +20,13 @@ from netsim import run
 from zerosum import aggregator_kernels as AK
 from zerosum import kernels as K
 from zerosum import protocol as P
+from zerosum import worker_state as WS
 from zerosum.aggregator_machine import AggregatorMachine
-from zerosum.blocks import scan
+from zerosum.blocks import BlockSource, DenseResult, scan
 from zerosum.fixedpoint import dequantize, precision_bits, quantize, scale_rows
 from zerosum.layout import Layout, balanced_column_order
 from zerosum.reference import reference_allreduce
+from zerosum.worker_machine import AllreduceMachine, WorkerConfig
 
 F32_MAX_BITS = 0x7F7FFFFF
 SHIFTS = range(-180, 181)     # every shift a block can need (precision 24..31, exponents -148..128) and more
@@ -549,3 +551,35 @@ def test_take_ready_leaves_what_the_window_and_the_pacer_hold_in_its_place():
     assert (taken, left, paced, held) == ([6, 1, 0], [4], 2, 0)
     taken, left, paced, held = _take_ready([5, 2, 7, 0, 3], 8, 1, 8, 2)
     assert (taken, left, paced, held) == ([5, 2], [7, 0, 3], 2, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(columns=st.integers(1, 40), aggregators=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(columns, aggregators, seed):
+    """kernels.recovery_timer_after, which spares the driver loop a scan of every column after every
+    batch: where recovery_timer is due by `now` it returns it exactly; otherwise a time after `now` and
+    no later than it (waking early costs a look, waking late would delay a retransmission or the
+    timeout), over random rounds, deadlines, probes, confirmed losses and last-heard times."""
+    rng = np.random.default_rng(seed)
+    B = 4
+    x = np.ones(columns * aggregators * B, np.float32)
+    source = BlockSource.dense(x, B)
+    m = AllreduceMachine(WorkerConfig(rank=0, world=2, job=1, block_size=B), 1, source,
+                         Layout(aggregators, columns, source.nblocks), DenseResult(np.zeros_like(x)))
+    st = m.st
+    S = st.round_block.shape[0]
+    for _ in range(20):
+        st.round_block[:] = np.where(rng.random(S) < 0.2, P.END, rng.integers(0, source.nblocks, S))
+        st.deadline[:] = np.where(rng.random(S) < 0.3, np.inf, rng.uniform(0, 2, S))
+        st.last_heard[:] = rng.uniform(0, 2, aggregators)
+        st.probe[:] = np.where(rng.random(aggregators) < 0.3, rng.integers(0, S, aggregators), -1)
+        st.loss_confirmed[:] = rng.random(aggregators) < 0.2
+        st.f[WS.F_BASE_RTO] = rng.uniform(0.01, 0.5)
+        st.f[WS.F_LAST_PROGRESS] = rng.uniform(0, 2)
+        st.i[WS.I_REMAINING] = 0 if rng.random() < 0.05 else S
+        now = rng.uniform(0, 2.5)
+        exact, after = K.recovery_timer(st), K.recovery_timer_after(st, now)
+        if exact <= now:
+            assert after == exact
+        else:
+            assert now < after <= exact
