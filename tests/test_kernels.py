@@ -6,8 +6,10 @@
 - the per-value loops: quantising (x * 2**s, rounded half to even) and dequantising
   (float32(sum) * 2**s / divisor) for every power-of-two shift in and beyond float32's exponent range,
   bit for bit against np.ldexp and against exact float64 arithmetic;
+- grouping a worker's blocks by column (kernels.sort_by_column) against numpy's stable argsort;
 - the whole machine path (netsim) for worlds up to 16 and odd block sizes, against reference_allreduce;
-- NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker.
+- NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker;
+- the driver loop's order of ready columns (take_ready) and its recovery timer (recovery_timer_after).
 """
 import socket
 import threading
