@@ -11,7 +11,6 @@
 - NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker;
 - the driver loop's order of ready columns (take_ready) and its recovery timer (recovery_timer_after).
 """
-import socket
 import threading
 
 import numpy as np
