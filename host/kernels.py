@@ -560,10 +560,27 @@ def take_expired(round_block, cols, aggregators, deadline, sent_at, rto, allow, 
 
 
 @njit(**JIT)
-def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, loss_confirmed):
+def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, loss_confirmed, due_by):
     """When the worker's timers next need a look: per aggregator, the earliest timer of its columns
     still in progress, once the aggregator has been quiet for base_rto; with a probe out, the probe's
-    own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery")."""
+    own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery").
+
+    Where that time is after `due_by`, a time after `due_by` and no later than it may come instead: an
+    aggregator's term is never before its probe's timer or, without a confirmed loss, before it was last
+    heard from + base_rto, and while those all lie past `due_by` the scan over every column is skipped
+    (the driver loop asks after every batch only whether anything is due by now, and how long it may
+    wait: waking at the bound costs one more look). due_by = inf: always the time itself."""
+    bound = np.inf
+    exact = False
+    for a in range(aggregators):
+        if probe[a] >= 0:
+            bound = min(bound, deadline[probe[a]])
+        elif loss_confirmed[a]:
+            exact = True
+        else:
+            bound = min(bound, last_heard[a] + base_rto)
+    if not exact and bound > due_by:
+        return bound
     first = np.full(aggregators, np.inf)
     for c in range(round_block.shape[0]):
         if round_block[c] != END and deadline[c] < first[c % aggregators]:
@@ -696,33 +713,15 @@ def flush_ready(st, now):
 
 
 @njit(inline="always", **JIT)
-def recovery_timer(st):
+def recovery_timer(st, due_by=np.inf):
     """When loss recovery next needs poll(): a column's timer expired while its aggregator is quiet, or
-    the allreduce timed out (R-L1, R-L2, R-L5); inf when done."""
+    the allreduce timed out (R-L1, R-L2, R-L5); inf when done. With `due_by`: where that is later than
+    due_by, possibly an earlier time still after due_by (next_timer)."""
     if st.i[I_REMAINING] == 0:
         return np.inf
     t = next_timer(st.round_block, st.deadline, st.probe.shape[0], st.last_heard, st.f[F_BASE_RTO], st.probe,
-                   st.loss_confirmed)
+                   st.loss_confirmed, due_by)
     return min(t, st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT])
-
-
-@njit(inline="always", **JIT)
-def recovery_timer_after(st, now):
-    """recovery_timer(st) where it is due by `now`; otherwise a time after `now` and no later than it.
-    Without a probe out or a confirmed loss, an aggregator's timer is never before it was last heard
-    from + base_rto (next_timer): while that lies ahead for each, the driver loop need not scan every
-    column after every batch to know that nothing is due, and waking at the bound costs one more look."""
-    if st.i[I_REMAINING] == 0:
-        return np.inf
-    bound = st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT]
-    for a in range(st.probe.shape[0]):
-        if st.probe[a] >= 0:
-            bound = min(bound, st.deadline[st.probe[a]])
-        elif st.loss_confirmed[a]:
-            return recovery_timer(st)
-        else:
-            bound = min(bound, st.last_heard[a] + st.f[F_BASE_RTO])
-    return bound if bound > now else recovery_timer(st)
 
 
 @njit(inline="always", **JIT)
@@ -837,7 +836,7 @@ def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
         if st.i[I_REMAINING] == 0:
             return DONE, 0, 0, 0
         now = T.monotonic(rx.clock)
-        t = recovery_timer_after(st, now)
+        t = recovery_timer(st, now)
         # R-L1: timers count once everything queued has been read. After a full batch that brought
         # results, more may wait behind it: a worker that waited for a core finds a backlog, and judged
         # in the middle of it, its own late reading looked like losses (340 entries resent in a

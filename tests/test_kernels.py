@@ -9,7 +9,7 @@
 - grouping a worker's blocks by column (kernels.sort_by_column) against numpy's stable argsort;
 - the whole machine path (netsim) for worlds up to 16 and odd block sizes, against reference_allreduce;
 - NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker;
-- the driver loop's order of ready columns (take_ready) and its recovery timer (recovery_timer_after).
+- the driver loop's order of ready columns (take_ready) and its recovery timer (recovery_timer with due_by).
 """
 import threading
 
@@ -557,8 +557,8 @@ def test_take_ready_leaves_what_the_window_and_the_pacer_hold_in_its_place():
 @settings(max_examples=300, deadline=None)
 @given(columns=st.integers(1, 40), aggregators=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(columns, aggregators, seed):
-    """kernels.recovery_timer_after, which spares the driver loop a scan of every column after every
-    batch: where recovery_timer is due by `now` it returns it exactly; otherwise a time after `now` and
+    """kernels.recovery_timer(st, now), which spares the driver loop a scan of every column after every
+    batch: where recovery_timer(st) is due by `now` it returns it exactly; otherwise a time after `now` and
     no later than it (waking early costs a look, waking late would delay a retransmission or the
     timeout), over random rounds, deadlines, probes, confirmed losses and last-heard times."""
     rng = np.random.default_rng(seed)
@@ -579,7 +579,7 @@ def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(column
         st.f[WS.F_LAST_PROGRESS] = rng.uniform(0, 2)
         st.i[WS.I_REMAINING] = 0 if rng.random() < 0.05 else S
         now = rng.uniform(0, 2.5)
-        exact, after = K.recovery_timer(st), K.recovery_timer_after(st, now)
+        exact, after = K.recovery_timer(st), K.recovery_timer(st, now)
         if exact <= now:
             assert after == exact
         else:
