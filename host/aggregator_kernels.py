@@ -27,7 +27,7 @@ from .wire import (AGGREGATOR_RANK, BOOT, DATA, DROP_REASONS, END, ENT, H_BLOCK_
                    H_ENTRIES, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE, H_VERSION, H_WORLD, HAS_DATA, HDR,
                    JIT, MAX_DATAGRAM, NO_EXP, OK, RESULT, STATUS, VERSION, CONGESTION, DATA_FLAGS,
                    check_entries, check_slots, copy_swapped, get16, get32, put_entry, put_header, read_entry,
-                   swap32)
+                   store_swapped, swap32)
 
 # Slot registers: columns of the `regs` array (the P4 program's register names).
 (SLOT_EPOCH, SLOT_BLOCK, SLOT_EXP, SLOT_TENSOR_BLOCKS, BITMAP, COUNT, MIN_NEXT, MIN_NEXT_EXP, HAS_DATA_REG,
@@ -116,15 +116,6 @@ def _add_swapped(words, at, pool, r):
         row[v] += np.int32(swap32(w[v]))
 
 
-@njit(**JIT)
-def _write_swapped(words, at, pool, r):
-    """pool[r] = the network-order words[at:] (a round's first data: the bank is not cleared)."""
-    w = words[at: at + pool.shape[1]]
-    row = pool[r]
-    for v in range(row.shape[0]):
-        row[v] = np.int32(swap32(w[v]))
-
-
 @njit(inline="always", **JIT)
 def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, pool, seen, stamp,
                done, counts, replies, ce):
@@ -177,7 +168,8 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 if regs[s, HAS_DATA_REG]:
                     _add_swapped(b32, at // 4, pool, 2 * s + regs[s, BANK])
                 else:
-                    _write_swapped(b32, at // 4, pool, 2 * s + regs[s, BANK])
+                    # the round's first data is written: the bank is not cleared
+                    store_swapped(b32[at // 4:], block_size, pool[2 * s + regs[s, BANK]], 0)
                     regs[s, HAS_DATA_REG] = 1
             regs[s, BITMAP] |= bit
             regs[s, COUNT] += 1

@@ -34,7 +34,7 @@ from .spec import CE, ECN_MASK
 from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
                    H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, CONGESTION, END, ENT, HAS_DATA, HDR, INT_EXP, JIT,
                    NO_EXP, OK, REPLY_FLAGS, check_entries, check_slots, copy_swapped as _copy_swapped, get16,
-                   get32, put_entry, put_header, read_entry, swap32 as _swap)
+                   get32, put_entry, put_header, read_entry, store_swapped, swap32 as _swap)
 from .congestion import (
     detect_loss, drain_step, drain_timer, entries_per_datagram, measure, note_host_wait, on_mark, on_rounds,
     on_spurious, pace_budget, pace_sent, pace_timer)
@@ -195,14 +195,6 @@ def _quantize_swapped(src, base, count, shift, words):
         for v in range(count):
             q = np.uint32(np.int32(np.rint(np.float64(x[v]) * scale64)))
             words[v] = _swap(q)
-
-
-@njit(**JIT)
-def _store_ints(words, count, out, dst):
-    o = out[dst: dst + count]
-    for v in range(count):
-        w = words[v]
-        o[v] = np.int32(_swap(w))
 
 
 @njit(**JIT)
@@ -428,7 +420,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
                 dst = block * B
                 limit = min(dst + B, out_n)
             if is_int:
-                _store_ints(words, limit - dst, out_values, dst)
+                store_swapped(words, limit - dst, out_values, dst)
             else:
                 _store_floats(words, limit - dst, exp - precision, divisor, out_values, dst)
             counts[3] += 1

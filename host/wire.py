@@ -180,3 +180,12 @@ def copy_swapped(src, base, count, words):
     for v in range(count):
         q = np.uint32(x[v])
         words[v] = swap32(q)
+
+
+@njit(**JIT)
+def store_swapped(words, count, out, dst):
+    """Network-order words[:count] into int32 values out[dst:dst+count] (copy_swapped's inverse: a
+    worker storing an int32 sum, an aggregator writing a round's first data)."""
+    o = out[dst: dst + count]
+    for v in range(count):
+        o[v] = np.int32(swap32(words[v]))

@@ -21,6 +21,7 @@ from netsim import run
 from zerosum import aggregator_kernels as AK
 from zerosum import kernels as K
 from zerosum import protocol as P
+from zerosum import wire as W
 from zerosum import worker_state as WS
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.blocks import BlockSource, DenseResult, scan
@@ -351,7 +352,7 @@ def test_int_loops_and_copy_are_byte_swaps():
     K._copy_swapped(v.view(np.uint32), 0, len(v), words)
     assert np.array_equal(words, to_wire(v))
     out = np.zeros(len(v) + 1, np.int32)
-    K._store_ints(words, len(v), out, 1)
+    W.store_swapped(words, len(v), out, 1)
     assert np.array_equal(out[1:], v) and out[0] == 0
     acc = np.arange(len(v), dtype=np.int32).reshape(1, -1)
     AK._add_swapped(words, 0, acc, 0)
