@@ -223,7 +223,7 @@ class AllreduceMachine:
             rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
-            allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64),
+            allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
             # datagrams are built here: at most one per column, each at most max_datagram bytes
             out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),

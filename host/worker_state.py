@@ -37,6 +37,7 @@ class WorkerState(NamedTuple):
     slots_used: np.ndarray     # int64 [A]
     allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
     cols: np.ndarray           # int64 [S]: scratch: columns to send
+    order: np.ndarray          # int64 [S]: scratch: their order in datagrams (kernels.pack_entries)
     seen: np.ndarray           # int64: scratch for check_slots
     out: np.ndarray            # uint8: datagrams to send
     cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out

@@ -555,6 +555,102 @@ def test_take_ready_leaves_what_the_window_and_the_pacer_hold_in_its_place():
     assert (taken, left, paced, held) == ([5, 2], [7, 0, 3], 2, 1)
 
 
+def _greedy_cuts(costs, budget, max_entries):
+    """encode_data's cut: entries in order while they fit (by bytes, and max_entries); at least one."""
+    cuts, start, used = [], 0, 0
+    for k, cost in enumerate(costs):
+        if k > start and (used + cost > budget or k - start >= max_entries):
+            cuts.append((start, k, used))
+            start, used = k, 0
+        used += cost
+    if costs:
+        cuts.append((start, len(costs), used))
+    return cuts
+
+
+@settings(max_examples=400, deadline=None)
+@given(has=st.lists(st.booleans(), max_size=120), block_size=st.sampled_from([1, 4, 64, 256]),
+       budget=st.integers(16, 3000), max_entries=st.sampled_from([1, 2, 3, 7, 0xFFFF]),
+       lo=st.integers(0, 3), seed=st.integers(0, 2**32 - 1))
+def test_pack_entries_fills_datagrams_and_keeps_each_kinds_order(has, block_size, budget, max_entries, lo, seed):
+    """kernels.pack_entries: a permutation of the round's entries in which data entries keep their order
+    and header-only entries theirs; cut as encode_data cuts, every datagram that still had room for a
+    header-only entry (by bytes and by count) is followed by no header-only entry; never more datagrams
+    than the arrival order; cols outside [lo, hi) untouched."""
+    rng = np.random.default_rng(seed)
+    n = len(has)
+    S = lo + n + 2
+    cols = np.arange(S, dtype=np.int64)
+    cols[lo:lo + n] = lo + rng.permutation(n)
+    round_block = np.full(S, 5, np.int64)
+    # a column holds data when its own next block is its round's block: seq[mine_pos[c]] == 5
+    seq = np.array([5, 9, P.END], np.int64)
+    mine_pos = np.full(S, 1, np.int64)
+    col_stop = np.full(S, 2, np.int64)
+    data_cols = {int(c) for c, h in zip(cols[lo:lo + n], has) if h}
+    mine_pos[list(data_cols)] = 0
+    per_data = 4 * block_size
+    before = cols.copy()
+    K.pack_entries(cols, lo, lo + n, np.zeros(S, np.int64), round_block, mine_pos, col_stop, seq, per_data,
+                   budget, max_entries)
+    assert cols[:lo].tolist() == before[:lo].tolist() and cols[lo + n:].tolist() == before[lo + n:].tolist()
+    got = cols[lo:lo + n].tolist()
+    assert sorted(got) == sorted(before[lo:lo + n].tolist())
+    kind = lambda seq_, data: [c for c in seq_ if (c in data_cols) == data]   # noqa: E731
+    assert kind(got, True) == kind(before[lo:lo + n].tolist(), True)
+    assert kind(got, False) == kind(before[lo:lo + n].tolist(), False)
+    costs = [W.ENT + (per_data if c in data_cols else 0) for c in got]
+    cuts = _greedy_cuts(costs, budget, max_entries)
+    for start, end, used in cuts:
+        if used + W.ENT <= budget and end - start < max_entries:
+            assert all(c in data_cols for c in got[end:]), (start, end, used, got)
+    arrival = [W.ENT + (per_data if c in data_cols else 0) for c in before[lo:lo + n].tolist()]
+    assert len(cuts) <= len(_greedy_cuts(arrival, budget, max_entries))
+
+
+def test_mtu_sized_datagrams_of_a_sparse_round_have_one_length(monkeypatch):
+    """At 1,472 bytes a data entry of 256 values fills most of a datagram. What a worker sends after a
+    batch of results still goes in at most 3 GSO messages: full datagrams, the one where the header-only
+    entries ran out, and data entries alone (up to 64 datagrams each); and the sums stay exact."""
+    sizes = []
+    flush = AllreduceMachine.flush
+
+    def recording_flush(self, now):
+        out = flush(self, now)
+        sizes.append([len(d) for _, d in out])
+        return out
+
+    monkeypatch.setattr(AllreduceMachine, "flush", recording_flush)
+    rng = np.random.default_rng(3)
+    B, nblocks = 256, 3000
+    arrays = []
+    for _ in range(3):
+        x = np.zeros(nblocks * B, np.float32)
+        for b in rng.choice(nblocks, nblocks // 5, replace=False):
+            x[b * B:(b + 1) * B] = rng.standard_normal(B)
+        arrays.append(x)
+    outs, _ = run(arrays, [AggregatorMachine(1, 3, slots=300)], block_size=B, max_datagram=1472, batch=0.9)
+    ref = reference_allreduce(arrays, B)
+    assert all(o.tobytes() == ref.tobytes() for o in outs)
+    mixed = [s for s in sizes if len(s) > 2 and min(s) < 20 + 16 + 4 * B < max(s)]
+    assert mixed and all(_gso_messages(s) <= 3 for s in sizes), sizes
+
+
+def _gso_messages(sizes, most=64):
+    """How many GSO messages transport.queue_datagrams makes of back-to-back datagrams of these lengths:
+    a run of equally long ones (at most `most`), which one shorter datagram may end."""
+    messages = i = 0
+    while i < len(sizes):
+        j = i + 1
+        while j < len(sizes) and j - i < most and sizes[j] <= sizes[i]:
+            j += 1
+            if sizes[j - 1] < sizes[i]:
+                break
+        messages += 1
+        i = j
+    return messages
+
+
 @settings(max_examples=300, deadline=None)
 @given(columns=st.integers(1, 40), aggregators=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(columns, aggregators, seed):
