@@ -16,7 +16,7 @@ from numba import njit
 from .spec import MAX_DATAGRAM
 from .wire import BOOT, END, HDR, JIT
 from .worker_state import (
-    F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_PERIOD,
+    F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_PERIOD,
     F_DRAIN_SLOT, F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT, F_MAX_RTO,
     F_MIN_RTO, F_MIN_RTT, F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND,
     F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM, F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET,
@@ -194,24 +194,33 @@ def note_host_wait(st, wait, now):
 def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
     reordering window (a quarter of the least round trip, at least the delay target and this host's
-    longest recent wait) before one whose result has arrived, and still without its own, is taken as
-    lost. Rounds do not overtake each other on a path, but a round also waits for every other rank's
+    longest recent wait) before one whose result has arrived, that could be sent no later than that one
+    (give or take the window), and still without its own result, is taken as lost. Rounds do not overtake each other on a path, but a round also waits for every other rank's
     entry, and ranks on shared cores send their entries milliseconds apart: the window must cover that
     skew, or every late rank looks like a loss."""
     f = st.f
     if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
-    before = f[F_DELIVERED_SENT] - max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
+    reorder = max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
+    before = f[F_DELIVERED_SENT] - reorder
+    # ... and could be sent no later than it (within the window): every rank sends a round once its
+    # previous result arrived and the column is admitted, lower columns first (R-L6), so every rank sent
+    # such a round before the delivered one. A round that became ready later may not have been: when this
+    # worker's window admitted the delivered round's column late, ranks with a larger window had sent
+    # theirs long before, and it completed at once, while rounds this worker sent before it still wait
+    # for a rank that is slow to send them (on veth links, 1,554 entries resent in one episode, all held).
+    ready_by = f[F_DELIVERED_READY] + reorder
     # R-C8: a round sent before the last drain began, or before a DRAIN_TIME after it ended, may wait for
     # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
     since = f[F_RACK_FROM]
-    rb, ready, sent_at, deadline = st.round_block, st.ready, st.sent_at, st.deadline
+    rb, ready, sent_at, ready_at, deadline = st.round_block, st.ready, st.sent_at, st.ready_at, st.deadline
     A = st.probe.shape[0]
     lost = False
     # only columns up to the delivered round's: every rank had admitted those (R-L6: prefixes of one
     # order), while a column past it may be one that a rank with a smaller window has not sent yet
     for c in range(min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)):
-        if since <= sent_at[c] < before and rb[c] != END and rb[c] != BOOT and not ready[c]:
+        if since <= sent_at[c] < before and ready_at[c] <= ready_by and rb[c] != END and rb[c] != BOOT \
+                and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
             st.loss_confirmed[c % A] = True
             lost = True

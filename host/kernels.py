@@ -40,7 +40,7 @@ from .congestion import (
     on_spurious, pace_budget, pace_sent, pace_timer)
 from .worker_state import (
     D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH,
-    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_SENT, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO,
+    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO,
     F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
     I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM,
     I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP, I_VIOLATION,
@@ -400,9 +400,10 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     applied), or -DROP_* when malformed.
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
-    was sent once only), and counts[8] that round's column: the congestion controller's samples (a
-    bootstrap round also waits for ranks that start later, so it says nothing about the path; the least,
-    because the others may have waited for another rank's retransmission). counts[7] counts the STATUS
+    was sent once only), counts[8] that round's column and counts[9] when it could first be sent (its
+    ready_at, in ns): the congestion controller's samples (a bootstrap round also waits for ranks that
+    start later, so it says nothing about the path; the least, because the others may have waited for
+    another rank's retransmission). counts[7] counts the STATUS
     entries for current rounds past the bootstrap: the aggregator held what was resent (R-C4).
     """
     hdr, counts, round_block, round_exp = st.hdr, st.counts, st.round_block, st.round_exp
@@ -465,6 +466,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
                 if sent > counts[6]:
                     counts[6] = sent
                     counts[8] = c
+                    counts[9] = np.int64(st.ready_at[c] * 1e9)
         if has:
             words = b32[at // 4: at // 4 + B]
             if collect:
@@ -493,6 +495,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             if not st.ready[c]:
                 st.queue[st.i[I_QUEUED]] = c
                 st.i[I_QUEUED] += 1
+                st.ready_at[c] = now
             st.ready[c] = True
         else:
             counts[2] += 1
@@ -715,11 +718,13 @@ def receive_one(st, b, n, aggregator, now, ce):
         if st.i[I_CONGESTION] and st.counts[4]:
             if st.counts[6] * 1e-9 > st.f[F_DELIVERED_SENT]:
                 st.f[F_DELIVERED_SENT] = st.counts[6] * 1e-9
+                st.f[F_DELIVERED_READY] = st.counts[9] * 1e-9
                 st.i[I_DELIVERED_COLUMN] = st.counts[8]
             on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now, st.counts[6] * 1e-9)
         st.counts[4] = 0
         st.counts[5] = -1
         st.counts[6] = -1
+        st.counts[9] = -1
     if st.counts[0]:
         # R-L4; and R-C4: the aggregator answers a resent entry of a finished round with its RESULT again,
         # so a RESULT that arrives twice says what was resent had not been lost either
@@ -787,7 +792,7 @@ def _raw_state(st):
     return WorkerState(
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
-        T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
+        T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at), T.raw(st.ready_at),
         T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe), T.raw(st.loss_confirmed),
         T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen),
         T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts),

@@ -220,7 +220,8 @@ class AllreduceMachine:
             round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
             mine_pos=starts[:-1].copy(), col_stop=starts[1:].copy(), seq=seq, seq_exp=seq_exp, seq_row=seq_row,
             src=source.values, ready=np.zeros(S, bool), queue=np.zeros(S, np.int64), deadline=np.full(S, np.inf),
-            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), waiting_for=np.zeros(S, np.int64),
+            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan),
+            ready_at=np.zeros(S), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
@@ -235,9 +236,10 @@ class AllreduceMachine:
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
                         -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
                         0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
-                        0.0 if fresh else path.other_queue], np.float64),
+                        0.0 if fresh else path.other_queue, 0.0], np.float64),
             i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
+        self.st.counts[9] = -1
         i = self.st.i
         i[WS.I_CONGESTION] = congestion
         i[WS.I_PACING] = congestion and config.pacing
@@ -370,6 +372,7 @@ class AllreduceMachine:
         self.st.f[WS.F_LAST_PROGRESS] = now
         self.st.last_heard[:] = now
         self.st.ready[:] = True
+        self.st.ready_at[:] = now
         self.st.queue[:] = np.arange(self.layout.columns)
         self.st.i[WS.I_QUEUED] = self.layout.columns
         self.st.i[WS.I_REMAINING] = self.layout.columns

@@ -289,21 +289,64 @@ def test_loss_detection_judges_only_columns_up_to_the_delivered_rounds():
     assert (st.deadline[:5] == 1.03).all() and (st.deadline[5:8] == 2.0).all()
 
 
-def test_the_delivered_round_is_the_latest_sent_with_its_column():
-    m = machine()
+def _result_for(m, columns):
+    """A RESULT datagram completing the current round (block 0) of `columns`, with no data."""
+    ent = P.entries_array(len(columns))
+    for k, c in enumerate(columns):
+        ent[k] = (c, 0, 0, 1, 0, 0)
+    hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, len(columns))
+    return np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
+
+
+def _in_flight(m):
+    """Every column's round past the bootstrap (block 0) in flight, none queued to send."""
     st = m.st
-    m.begin(1.0)
     st.round_block[:] = 0
     st.round_exp[:] = 1
     st.sent_at[:] = np.nan
-    st.sent_at[5], st.sent_at[2] = 1.004, 1.002
-    ent = P.entries_array(2)
-    ent[0] = (5, 0, 0, 1, 0, 0)
-    ent[1] = (2, 0, 0, 1, 0, 0)
-    hdr = P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
-    datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
+    st.ready[:] = False
+    st.i[WS.I_QUEUED] = 0
+    return st
+
+
+def test_the_delivered_round_is_the_latest_sent_with_its_column_and_when_it_could_be_sent():
+    """R-C4: of the rounds a RESULT completes, the latest sent is the reference, with its column and when
+    its previous result arrived (ready_at); the result's arrival is the next round's ready_at."""
+    m = machine()
+    m.begin(1.0)
+    st = _in_flight(m)
+    st.sent_at[5], st.ready_at[5] = 1.004, 1.0         # held back 4 ms before it was sent
+    st.sent_at[2], st.ready_at[2] = 1.002, 1.002
+    datagram = _result_for(m, [5, 2])
     assert K.receive_one(st, datagram, len(datagram), 0, 1.01, False) == K.APPLIED
     assert st.f[WS.F_DELIVERED_SENT] == pytest.approx(1.004) and st.i[WS.I_DELIVERED_COLUMN] == 5
+    assert st.f[WS.F_DELIVERED_READY] == pytest.approx(1.0)
+    assert st.ready_at[5] == st.ready_at[2] == 1.01
+
+
+def test_a_round_the_window_admitted_late_says_nothing_of_rounds_that_became_ready_after_it():
+    """R-C4 with R-L6: a column this rank's window admitted late was sent long after its previous result
+    arrived, and ranks with a larger window had sent theirs long before: it completes at once, while
+    rounds this rank sent before it, but that became ready after it, still wait for a rank that is slow
+    to send them. Those are not lost (on veth links, taking them for lost resent up to 1,554 entries in
+    one episode, every one held already). A round that could be sent as early is."""
+    m = machine(columns=8)
+    m.begin(1.0)
+    st = _in_flight(m)
+    st.f[WS.F_MIN_RTT] = 0.0001
+    st.deadline[:] = 2.0
+    st.i[WS.I_ADMITTED] = 8
+    st.sent_at[:4] = st.ready_at[:4] = 1.030           # columns 0..3: sent at once, waiting for a slow rank
+    st.ready_at[7], st.sent_at[7] = 1.0, 1.040         # column 7: ready since 1.0, admitted at 1.040
+    datagram = _result_for(m, [7])
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.041, False) == K.APPLIED
+    CC.detect_loss(st, 1.041)
+    assert (st.deadline[:4] == 2.0).all() and not st.loss_confirmed.any() and m.window_cuts == (0, 0)
+    st.ready_at[6], st.sent_at[6] = 1.040, 1.041       # ready and sent 10 ms after them, and complete:
+    datagram = _result_for(m, [6])                      # those are lost
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.042, False) == K.APPLIED
+    CC.detect_loss(st, 1.042)
+    assert (st.deadline[:4] == 1.042).all() and st.loss_confirmed[0] and m.window_cuts == (0, 1)
 
 
 def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
