@@ -16,13 +16,13 @@ from numba import njit
 from .spec import MAX_DATAGRAM
 from .wire import BOOT, END, HDR, JIT
 from .worker_state import (
-    F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_PERIOD,
-    F_DRAIN_SLOT, F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT, F_MAX_RTO,
-    F_MIN_RTO, F_MIN_RTT, F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND,
-    F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM, F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET,
-    F_WALL_CLOCK, I_ADMITTED, I_COMPETITIVE, I_CONGESTION, I_DELAY_CUTS, I_DELIVERED_COLUMN, I_DRAINS,
-    I_ENTRY, I_EPOCH_MARKED, I_HAS_SRTT, I_LOSS_CUTS, I_MARKED, I_MARKS, I_MAX_DATAGRAM, I_MAX_ENTRIES,
-    I_PACE_FROM, I_PACE_HELD, I_PACING, I_REO_CLEAN, I_REO_MULT, I_SPURIOUS, I_WINDOW)
+    F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN,
+    F_DRAIN_PERIOD, F_DRAIN_SLOT, F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT,
+    F_MAX_RTO, F_MIN_RTO, F_MIN_RTT, F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND,
+    F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM, F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET, F_WALL_CLOCK,
+    I_ADMITTED, I_COMPETITIVE, I_CONGESTION, I_DELAY_CUTS, I_DELIVERED_COLUMN, I_DRAINS, I_ENTRY,
+    I_EPOCH_MARKED, I_HAS_SRTT, I_LOSS_CUTS, I_MARKED, I_MARKS, I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM,
+    I_PACE_HELD, I_PACING, I_REO_CLEAN, I_REO_MULT, I_SPURIOUS, I_WINDOW)
 
 
 @njit(inline="always", **JIT)
@@ -195,9 +195,10 @@ def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
     reordering window (a quarter of the least round trip, at least the delay target and this host's
     longest recent wait) before one whose result has arrived, that could be sent no later than that one
-    (give or take the window), and still without its own result, is taken as lost. Rounds do not overtake each other on a path, but a round also waits for every other rank's
-    entry, and ranks on shared cores send their entries milliseconds apart: the window must cover that
-    skew, or every late rank looks like a loss."""
+    (give or take the window), and still without its own result, is taken as lost. Rounds do not
+    overtake each other on a path, but a round also waits for every other rank's entry, and ranks on
+    shared cores send their entries milliseconds apart: the window must cover that skew, or every late
+    rank looks like a loss."""
     f = st.f
     if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return

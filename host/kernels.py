@@ -39,12 +39,12 @@ from .congestion import (
     detect_loss, drain_step, drain_timer, entries_per_datagram, measure, note_host_wait, on_mark, on_rounds,
     on_spurious, pace_budget, pace_sent, pace_timer)
 from .worker_state import (
-    D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH,
-    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO,
-    F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
+    D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH, D_TYPE,
+    D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR, F_LAST_PROGRESS,
+    F_MAX_RTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
     I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM,
-    I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP, I_VIOLATION,
-    I_WINDOW, WorkerState)
+    I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP, I_VIOLATION, I_WINDOW,
+    WorkerState)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_
     Why: with MTU-sized datagrams a data entry fills most of one, and cut in arrival order the
     datagrams' lengths varied with the number of header-only entries between two data entries, while
     UDP GSO sends only runs of equally long datagrams in one message: at 1,472 bytes and density 0.1,
-    1.9 datagrams per sendmmsg message. Full datagrams all have one length, HDR + 16 * ((budget) // 16),
+    1.9 datagrams per sendmmsg message. Full datagrams all have one length, HDR + 16 * (budget // 16),
     since a block's bytes are a multiple of 16. The entries of one call share their send time (take_ready),
     so loss detection (R-C4) cannot tell the orders apart. `order` is scratch of at least hi - lo."""
     w = 0
@@ -403,8 +403,8 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     was sent once only), counts[8] that round's column and counts[9] when it could first be sent (its
     ready_at, in ns): the congestion controller's samples (a bootstrap round also waits for ranks that
     start later, so it says nothing about the path; the least, because the others may have waited for
-    another rank's retransmission). counts[7] counts the STATUS
-    entries for current rounds past the bootstrap: the aggregator held what was resent (R-C4).
+    another rank's retransmission). counts[7] counts the STATUS entries for current rounds past the
+    bootstrap: the aggregator held what was resent (R-C4).
     """
     hdr, counts, round_block, round_exp = st.hdr, st.counts, st.round_block, st.round_exp
     seq, mine_pos, col_stop = st.seq, st.mine_pos, st.col_stop
@@ -737,9 +737,10 @@ def receive_one(st, b, n, aggregator, now, ce):
 @njit(inline="always", **JIT)
 def encode_columns(st, ncols):
     """Build this round's entries for st.cols[:ncols], fused into datagrams; returns how many."""
-    nd = encode_data(st.out, st.cuts, st.cols, ncols, st.order, st.probe.shape[0], st.hdr, st.round_block, st.round_exp,
-                     st.mine_pos, st.col_stop, st.seq, st.seq_exp, st.seq_row, st.src, st.i[I_SOURCE_N],
-                     st.i[I_IS_INT] != 0, st.i[I_PRECISION], st.i[I_MAX_DATAGRAM], st.i[I_MAX_ENTRIES])
+    nd = encode_data(st.out, st.cuts, st.cols, ncols, st.order, st.probe.shape[0], st.hdr, st.round_block,
+                     st.round_exp, st.mine_pos, st.col_stop, st.seq, st.seq_exp, st.seq_row, st.src,
+                     st.i[I_SOURCE_N], st.i[I_IS_INT] != 0, st.i[I_PRECISION], st.i[I_MAX_DATAGRAM],
+                     st.i[I_MAX_ENTRIES])
     if nd:
         st.i[I_BYTES_SENT] += st.cuts[nd - 1, 2]
     return nd
@@ -792,11 +793,11 @@ def _raw_state(st):
     return WorkerState(
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
-        T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at), T.raw(st.ready_at),
-        T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe), T.raw(st.loss_confirmed),
-        T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen),
-        T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts),
-        T.raw(st.f), T.raw(st.i), T.raw(st.drops))
+        T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
+        T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
+        T.raw(st.loss_confirmed), T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols),
+        T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out),
+        T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 
 
 # drive's outcomes
