@@ -232,6 +232,12 @@ def _mine_exp(seq_exp, mine_pos, col_stop, c, ahead):
     return np.int64(seq_exp[pos]) if pos < col_stop[c] else NO_EXP
 
 
+@njit(inline="always", **JIT)
+def _sends_data(seq, mine_pos, col_stop, round_block, c):
+    """Whether column c's entry this round carries data: its round's block is the worker's own next one."""
+    return _mine(seq, mine_pos, col_stop, c, 0) == round_block[c]
+
+
 @njit(**JIT)
 def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_data, budget, max_entries):
     """Order cols[lo:hi], one aggregator's entries of a round in the order their results arrived (R-A8),
@@ -252,7 +258,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_
         count = 0
         while p < hi and count < max_entries:
             c = cols[p]
-            has = _mine(seq, mine_pos, col_stop, c, 0) == round_block[c]
+            has = _sends_data(seq, mine_pos, col_stop, round_block, c)
             if not has and p < pulled:
                 p += 1
                 continue
@@ -269,7 +275,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_
         # cols[p] is a data entry that did not fit: header-only entries after it take the room
         q = max(pulled, p + 1)
         while count < max_entries and used + ENT <= budget:
-            while q < hi and _mine(seq, mine_pos, col_stop, cols[q], 0) == round_block[cols[q]]:
+            while q < hi and _sends_data(seq, mine_pos, col_stop, round_block, cols[q]):
                 q += 1
             if q >= hi:
                 break
@@ -315,7 +321,7 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
         rows = 0
         while j < ncols and cols[j] % aggregators == agg and j - i < max_entries:
             c = cols[j]
-            has = _mine(seq, mine_pos, col_stop, c, 0) == round_block[c]
+            has = _sends_data(seq, mine_pos, col_stop, round_block, c)
             cost = ENT + (per_data if has else 0)
             if used + cost > budget and j > i:
                 break
@@ -342,7 +348,7 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
             # memory, as in dense data, where the hardware prefetcher sees it coming)
             if k + 1 < j:
                 c1 = cols[k + 1]
-                if _mine(seq, mine_pos, col_stop, c1, 0) == round_block[c1] and \
+                if _sends_data(seq, mine_pos, col_stop, round_block, c1) and \
                         not (has and seq_row[mine_pos[c1]] == seq_row[mine_pos[c]] + 1):
                     T.prefetch(src, seq_row[mine_pos[c1]] * B, B)
             if has:
