@@ -141,7 +141,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
             events.put(("result", rank, row,
                         {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest,
                          "window_bytes": w.stats.window, "srtt_s": w.stats.srtt, "host_wait_s": w.stats.host_wait,
-                         "window": w.config.window, "congestion": w.config.congestion}))
+                         "window": w.config.window}))
     if dist is not None:
         dist.destroy_process_group()
     events.put(("done", rank))
@@ -316,7 +316,6 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         "srtt_s": [r.get("srtt_s") for r in results],
         "host_wait_s": [r.get("host_wait_s") for r in results],    # longest read delay so far (R-C4)
         "window": results[0].get("window", plan.get("window")) if results else None,   # what "auto" became
-        "congestion": results[0].get("congestion", plan.get("congestion", True)) if results else None,
     }
 
 
@@ -361,13 +360,8 @@ def window_summary(results: Mapping) -> str:
     densities)."""
     plan = results["plan"]
     window = plan.get("window")
-    rows = [r for run in results["runs"] for r in run["rows"]]
-    used = {r.get("window", window) for r in rows}
-    if window == "auto" and rows and all(r.get("congestion") is False for r in rows):
-        sizes = ", ".join(f"{u:,} B" for u in sorted(used))
-        return (f"fixed window {sizes} (auto, with every aggregator on this host: no link to find the rate "
-                "of; as many columns as keep the aggregator's sums in a core's cache)")
-    if window == "auto" and used == {None}:
+    used = [r.get("window", window) for run in results["runs"] for r in run["rows"]]
+    if window == "auto" and used and all(u is None for u in used):
         return "no window (auto, with every aggregator on this host: no link to find the rate of)"
     kind = ("no window (every column at once)" if window is None else
             f"fixed window {window:,} B" if not plan.get("congestion", True) else

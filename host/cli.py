@@ -125,8 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "there (TTL 0: nothing leaves the host); off, to each worker; GROUP, that group "
                             "(e.g. 239.255.77.1)")
         b.add_argument("--window", type=_window, default="auto", metavar="auto|none|BYTES",
-                       help="the workers' window: auto, the congestion window (with every aggregator on this "
-                            "host a fixed window sized to the cache); BYTES, its upper bound (with "
+                       help="the workers' window: auto, the congestion window; BYTES, its upper bound (with "
                             "--no-congestion: the fixed window); none, every column at once")
         b.add_argument("--congestion", action=argparse.BooleanOptionalAction, default=True,
                        help="adapt the window to the path (docs/protocol.md, R-C*)")

@@ -9,13 +9,12 @@ needs a look; the machine (zerosum.worker_machine) carries its estimates from on
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 from numba import njit
 
 from .spec import MAX_DATAGRAM
-from .wire import BOOT, END, ENT, HDR, JIT
+from .wire import BOOT, END, HDR, JIT
 from .worker_state import (
     F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN,
     F_DRAIN_PERIOD, F_DRAIN_SLOT, F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT,
@@ -45,33 +44,6 @@ def update_rto(st):
     """The base timeout from the estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298, 2.3)."""
     f = st.f
     f[F_BASE_RTO] = min(max(f[F_SRTT] + 4 * f[F_RTTVAR], f[F_MIN_RTO]), f[F_MAX_RTO])
-
-
-# -- the window with every aggregator on this host (docs/protocol.md, R-L6) -----------------------------
-
-DEFAULT_CORE_CACHE = 1 << 20   # bytes of a core's own cache (L2) where the system does not say
-MIN_LOCAL_COLUMNS = 64         # columns in flight per aggregator at least, whatever the cache
-
-
-def core_cache_bytes() -> int:
-    """The size of one core's own (level 2) cache, or DEFAULT_CORE_CACHE where the system does not say."""
-    try:
-        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        size = 0
-    return size if size > 0 else DEFAULT_CORE_CACHE
-
-
-def local_window(block_size: int, aggregators: int, cache_bytes: int) -> int:
-    """The fixed window, in bytes of entries, of "auto" with every aggregator on this host (R-L6).
-
-    No link carries the datagrams there, so there is no rate to find (R-C*): a round trip is the
-    processes' wait for a core, and columns in flight beyond what covers it only enlarge what each round
-    touches. An aggregator touches a column's slot in both banks (the round's sum, the shadow copy),
-    2 * 4 * block_size bytes; as many columns per aggregator as those fit one core's cache keep the sums
-    there (every column at once, 2,048 columns of 256 values, is 4 MiB per aggregator)."""
-    columns = max(MIN_LOCAL_COLUMNS, cache_bytes // (8 * block_size))
-    return aggregators * columns * (ENT + 4 * block_size)
 
 
 # -- the congestion window (docs/protocol.md, R-C1..R-C6, R-C8) -----------------------------------------

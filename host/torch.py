@@ -16,8 +16,8 @@ environment variables:
     ZEROSUM_TIMEOUT      seconds without progress before an allreduce fails (default 30)
     ZEROSUM_KEY          a secret shared with the aggregators (their --key-file): authenticated JOINs
     ZEROSUM_WINDOW       bytes in flight per worker (Worker(window=...)): auto (default), the congestion
-                         window (with every aggregator on this host a fixed window sized to the cache);
-                         BYTES, its upper bound; none, every column at once
+                         window (no window with every aggregator on this host); BYTES, its upper bound;
+                         none, every column at once
     ZEROSUM_CONGESTION   0: no congestion window, ZEROSUM_WINDOW's BYTES is the fixed window
     ZEROSUM_DELAY_TARGET the queueing delay the congestion window allows, seconds (default 0.005)
     ZEROSUM_PACING       0: the congestion window's rounds leave in bursts, not paced (R-C7); 1: paced

@@ -15,7 +15,6 @@ from . import tensors
 from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
 from .errors import AggregatorSilent, ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
-from . import congestion as CC
 from . import kernels as K
 from . import worker_state as WS
 from . import transport as T
@@ -77,9 +76,7 @@ class Worker:
         this worker must queue. "auto" (the default): a congestion window that finds the path's rate by
         itself (R-C1..R-C8: slow start, additive increase, cuts on queueing delay and on loss, drains
         that share a link between jobs); where every aggregator is on this host (no link to find the
-        rate of), a fixed window of as many columns as keep the aggregators' sums in a core's cache
-        (532,480 bytes for 256-value blocks, a 1 MiB cache and one aggregator). A number of bytes: an
-        upper bound for the congestion window.
+        rate of), no window. A number of bytes: an upper bound for the congestion window.
         None: no window, every column at once, as fast as the socket takes them (on a link slower than
         the aggregator's, the results then overflow the link's queue).
     congestion: False turns the congestion window off: a number `window` is then the fixed window,
@@ -127,7 +124,7 @@ class Worker:
         if max_datagram is None:
             # the path's MTU less the IPv4 and UDP headers: never IP fragments (docs/protocol.md, "Fusion")
             max_datagram = T.datagram_limit(self.aggregators, P.MAX_DATAGRAM)
-        self._asked = (window, pacing, bool(congestion))
+        self._asked = (window, pacing)
         self.config = WorkerConfig(rank=rank, world=world_size, job=job, max_datagram=max_datagram,
                                    max_entries=max_entries, block_size=block_size, key=key,
                                    rto=rto, timeout=timeout, aggregator_names=self.aggregator_names,
@@ -286,17 +283,11 @@ class Worker:
 
     def _follow_path(self) -> None:
         """The window and the pacer for the aggregators' path. No link carries the datagrams to an
-        aggregator on this host: there "auto" is a fixed window sized to the cache
-        (congestion.local_window), since the congestion window (R-C*) would find only the processes'
-        waits for a core, and no pacer, which would turn those waits into a rate (R-C7)."""
-        window, pacing, congestion = self._asked
+        aggregator on this host: there "auto" is no window, since the congestion window (R-C*) would find
+        only the processes' waits for a core, and the pacer (R-C7) would turn those into a rate."""
+        window, pacing = self._asked
         here = T.on_this_host(self.aggregators)
-        if window == "auto" and here:       # R-L6: a fixed window that keeps the aggregators' sums in cache
-            self.config.window = CC.local_window(self.config.block_size, len(self.aggregators),
-                                                 CC.core_cache_bytes())
-            self.config.congestion = False
-        else:
-            self.config.window, self.config.congestion = window, congestion
+        self.config.window = None if window == "auto" and here else window   # R-L6: every column at once
         self.config.pacing = not here if pacing is None else bool(pacing)
 
     def use_aggregators(self, aggregators) -> None:

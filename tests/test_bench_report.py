@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from zerosum.bench import (COLUMNS, bench_table, counter_delta, plot, ratio_axis, ratio_label, recovery_summary,
-                           summarize_row, tick_label, window_summary, window_total)
+                           summarize_row, tick_label, window_total)
 from zerosum.local import SNAPSHOT, LocalAggregator, SnapshotOnSignal
 
 PLAN = {"densities": [1.0, 0.01], "size": 26_214_400, "block_size": 256, "rounds": 2, "warmup": 1,
@@ -121,22 +121,6 @@ def test_recovery_is_per_rank_in_the_timed_rounds_and_summed_in_the_summary():
     assert recovery_summary({"runs": [{"rows": [clean]}]}) is None
 
 
-def test_the_window_line_says_what_auto_became():
-    """"auto" with every aggregator on this host is a fixed window sized to the cache (R-L6): the line
-    says so and gives its size; a fixed window asked for, and the congestion window, read as before."""
-    local = {"workers": 4, "window": 532_480, "congestion": False, "window_bytes": [532_480] * 4,
-             "srtt_s": [None] * 4}
-    text = window_summary({"plan": {"window": "auto", "congestion": True}, "runs": [{"rows": [local]}]})
-    assert text.startswith("fixed window 532,480 B (auto, with every aggregator on this host")
-    fixed = {**local, "window": 250_000}
-    text = window_summary({"plan": {"window": 250_000, "congestion": False}, "runs": [{"rows": [fixed]}]})
-    assert text.startswith("fixed window 250,000 B:")
-    across = {**local, "window": "auto", "congestion": True, "window_bytes": [30_000, 50_000],
-              "srtt_s": [0.001, 0.002]}
-    text = window_summary({"plan": {"window": "auto", "congestion": True}, "runs": [{"rows": [across]}]})
-    assert text == "congestion window: 4 workers: 30-50 kB, round trip 1.00-2.00 ms"
-
-
 def test_rows_with_different_results_are_an_error():
     results = [{"zerosum_s": [1, 1], "gloo_s": [], "digest": d, "marks": []} for d in "ab"]
     with pytest.raises(RuntimeError, match="different results"):
@@ -226,6 +210,3 @@ def test_a_small_bench_reports_per_row_cpu_and_retransmissions(tmp_path):
     assert row["aggregator_datagrams"] < (fan_out + 0.25) * row["worker_datagrams"]
     assert row["worker_cpu_us_per_datagram"] > 0 and row["aggregator_cpu_us_per_datagram"] > 0
     assert (tmp_path / "bench.png").exists() == (row["gloo_s"] is not None)
-    # on loopback "auto" is the fixed window sized to the cache (R-L6), and the output says so
-    assert row["congestion"] is False and row["window"] > 0
-    assert f"fixed window {row['window']:,} B (auto" in " ".join(r.stdout.split())

@@ -805,53 +805,21 @@ def test_the_shaped_link_experiment_runs_and_reports(tmp_path):
     assert E.jain([1, 1, 1]) == 1.0 and E.jain([1, 0]) == 0.5
 
 
-def test_auto_is_a_fixed_cache_sized_window_and_no_pacer_with_the_aggregator_on_this_host():
-    """R-L6, R-C7: with every aggregator on the worker's own host "auto" is a fixed window sized to the
-    cache (congestion.local_window) and the pacer is off (no link to find the rate of); a bound in bytes
-    still runs the congestion window there, and pacing=True the pacer. Across a link (an address that is
-    not this host's) both are on, and the congestion setting asked for comes back."""
+def test_auto_is_no_window_and_no_pacer_with_the_aggregator_on_this_host():
+    """R-L6, R-C7: with every aggregator on the worker's own host "auto" is no window and the pacer is
+    off (no link to find the rate of); a bound in bytes still runs the congestion window there, and
+    pacing=True the pacer. Across a link (an address that is not this host's) both are on."""
     import zerosum
-    from zerosum import congestion as CC
     from zerosum import transport as T
-    local = CC.local_window(256, 1, CC.core_cache_bytes())
     w = zerosum.Worker(0, 2, ["127.0.0.1:9"])
-    assert (w.config.window, w.config.congestion, w.config.pacing) == (local, False, False)
-    w = zerosum.Worker(0, 2, ["127.0.0.1:9", "127.0.0.1:10"], block_size=1024)
-    assert w.config.window == CC.local_window(1024, 2, CC.core_cache_bytes()) and not w.config.congestion
+    assert w.config.window is None and not w.config.pacing
     w = zerosum.Worker(0, 2, ["127.0.0.1:9"], window=1 << 20, pacing=True)
     assert w.config.window == 1 << 20 and w.config.congestion and w.config.pacing
     w = zerosum.Worker(0, 2, ["192.0.2.1:9"])                              # TEST-NET-1: never this host's
-    assert (w.config.window, w.config.congestion, w.config.pacing) == ("auto", True, True)
+    assert (w.config.window, w.config.pacing) == ("auto", True)
     w.sock = object()                                                       # as if open: use_aggregators checks
     w.use_aggregators(["127.0.0.1:9"])                                      # a standby on this host
-    assert (w.config.window, w.config.congestion, w.config.pacing) == (local, False, False)
-    w.use_aggregators(["192.0.2.1:9"])                                      # and back across a link
-    assert (w.config.window, w.config.congestion, w.config.pacing) == ("auto", True, True)
-    w = zerosum.Worker(0, 2, ["192.0.2.1:9"], congestion=False, window=250_000)
-    w.sock = object()
-    w.use_aggregators(["127.0.0.1:9"])                                      # a number stays what was asked
-    assert (w.config.window, w.config.congestion) == (250_000, False)
+    assert (w.config.window, w.config.pacing) == (None, False)
     w.sock = None
     assert T.on_this_host([("127.0.0.1", 9), ("127.3.4.5", 9)])
     assert not T.on_this_host([("127.0.0.1", 9), ("192.0.2.1", 9)])
-
-
-def test_the_local_window_keeps_each_aggregators_sums_in_a_cores_cache(monkeypatch):
-    """congestion.local_window: per aggregator, as many columns as their slots' two banks of
-    4 * block_size bytes fit the cache (at least MIN_LOCAL_COLUMNS), in bytes of entries (16-byte header
-    and the block); the cache is the system's level 2 size, or DEFAULT_CORE_CACHE where it does not say."""
-    from zerosum import congestion as CC
-    assert CC.local_window(256, 1, 1 << 20) == 512 * (16 + 1024)
-    assert CC.local_window(256, 3, 1 << 20) == 3 * 512 * (16 + 1024)
-    assert CC.local_window(1024, 1, 2 << 20) == 256 * (16 + 4096)
-    assert CC.local_window(65535, 1, 1 << 20) == CC.MIN_LOCAL_COLUMNS * (16 + 4 * 65535)
-    assert CC.local_window(256, 1, 0) == CC.MIN_LOCAL_COLUMNS * (16 + 1024)
-    monkeypatch.setattr(CC.os, "sysconf", lambda name: 3 << 20)
-    assert CC.core_cache_bytes() == 3 << 20
-    monkeypatch.setattr(CC.os, "sysconf", lambda name: 0)                  # the system does not say
-    assert CC.core_cache_bytes() == CC.DEFAULT_CORE_CACHE
-
-    def unknown(name):
-        raise ValueError(f"unrecognized configuration name {name}")
-    monkeypatch.setattr(CC.os, "sysconf", unknown)
-    assert CC.core_cache_bytes() == CC.DEFAULT_CORE_CACHE
