@@ -83,7 +83,9 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                                     world_size=world)
         except ImportError:
             dist = None
-    barrier = dist.barrier if dist else (lambda: None)
+    # Every timed allreduce starts together, with or without gloo: a rank that started while another was
+    # still restoring its input would count that wait as ZeroSum's time, or miss it.
+    barrier = dist.barrier if dist else (lambda: sync.wait(CHECKPOINT_TIMEOUT))
 
     def checkpoint(row: int, phase: str) -> None:
         """Every rank waits here while rank 0 has the bench snapshot the aggregators' counters."""
