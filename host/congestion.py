@@ -194,8 +194,8 @@ def note_host_wait(st, wait, now):
 def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
     reordering window (a quarter of the least round trip, at least the delay target and this host's
-    longest recent wait) before one whose result has arrived, that could be sent no later than that one
-    (give or take the window), and still without its own result, is taken as lost. Rounds do not
+    longest recent wait) before one whose result has arrived, that could be sent no later than that one,
+    and still without its own result, is taken as lost. Rounds do not
     overtake each other on a path, but a round also waits for every other rank's entry, and ranks on
     shared cores send their entries milliseconds apart: the window must cover that skew, or every late
     rank looks like a loss."""
@@ -204,13 +204,15 @@ def detect_loss(st, now):
         return
     reorder = max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
     before = f[F_DELIVERED_SENT] - reorder
-    # ... and could be sent no later than it (within the window): every rank sends a round once its
-    # previous result arrived and the column is admitted, lower columns first (R-L6), so every rank sent
-    # such a round before the delivered one. A round that became ready later may not have been: when this
-    # worker's window admitted the delivered round's column late, ranks with a larger window had sent
-    # theirs long before, and it completed at once, while rounds this worker sent before it still wait
-    # for a rank that is slow to send them (on veth links, 1,554 entries resent in one episode, all held).
-    ready_by = f[F_DELIVERED_READY] + reorder
+    # ... and could be sent no later than it: every rank sends a round once its previous result arrived
+    # and the column is admitted, in the order the results arrived (R-A8), which is the same on every
+    # rank, so every rank sent such a round before the delivered one. A round that became ready later,
+    # even by a millisecond, may not have been: when this worker's window admitted the delivered round's
+    # column late, ranks with a larger window had sent theirs long before, and it completed at once, while
+    # rounds this worker sent before it still wait for a rank that is slow to send them (on veth links,
+    # 1,554 entries resent in one episode, all held; and 232-308 when rounds that became ready 1.4-3.2 ms
+    # after it still counted, "give or take" a reordering window that a 30 ms stall had widened).
+    ready_by = f[F_DELIVERED_READY]
     # R-C8: a round sent before the last drain began, or before a DRAIN_TIME after it ended, may wait for
     # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
     since = f[F_RACK_FROM]

@@ -349,6 +349,33 @@ def test_a_round_the_window_admitted_late_says_nothing_of_rounds_that_became_rea
     assert (st.deadline[:4] == 1.042).all() and st.loss_confirmed[0] and m.window_cuts == (0, 1)
 
 
+def test_a_round_that_became_ready_even_a_little_after_the_delivered_one_is_not_evidence_of_loss():
+    """R-C4: results reach every rank in one order and each sends its rounds in that order (R-A8), so a
+    round that became ready after the delivered one, by however little, may still wait for a rank that
+    stalled and then sent the delivered round first. A reordering window widened by a stall (here 30 ms)
+    must not let it count (on veth links 232-308 entries were resent so, all held, when rounds 1.4-3.2 ms
+    younger than the delivered one counted). Rounds that became ready with it or before it still do."""
+    m = machine(columns=8)
+    m.begin(1.0)
+    st = _in_flight(m)
+    st.f[WS.F_MIN_RTT] = 0.0001
+    st.f[WS.F_HOST_WAIT], st.f[WS.F_HOST_WAIT_AT] = 0.030, 1.0     # a 30 ms wait for a core just now
+    st.deadline[:] = 2.0
+    st.i[WS.I_ADMITTED] = 8
+    st.sent_at[:4] = st.ready_at[:4] = 1.0014          # columns 0..3: ready 1.4 ms after column 7's
+    st.ready_at[7], st.sent_at[7] = 1.0, 1.080         # column 7: ready at 1.0, admitted and sent at 1.080
+    datagram = _result_for(m, [7])
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.084, False) == K.APPLIED
+    assert CC.host_wait(st, 1.084) > 0.0014             # the window would have covered the 1.4 ms
+    CC.detect_loss(st, 1.084)
+    assert (st.deadline[:4] == 2.0).all() and not st.loss_confirmed.any() and m.window_cuts == (0, 0)
+    st.ready_at[5], st.sent_at[5] = 1.0014, 1.199      # ready with them, sent later, and complete:
+    datagram = _result_for(m, [5])                      # those are lost
+    assert K.receive_one(st, datagram, len(datagram), 0, 1.2, False) == K.APPLIED
+    CC.detect_loss(st, 1.2)
+    assert (st.deadline[:4] == 1.2).all() and st.loss_confirmed[0] and m.window_cuts == (0, 1)
+
+
 def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
     """R-C3: a rank that shares its cores may wait milliseconds for one, and every round of that time
     waits for it; the epoch lasts at least EPOCH_MIN, so its least round trip comes from outside the stall."""
