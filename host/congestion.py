@@ -195,10 +195,9 @@ def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
     reordering window (a quarter of the least round trip, at least the delay target and this host's
     longest recent wait) before one whose result has arrived, that could be sent no later than that one,
-    and still without its own result, is taken as lost. Rounds do not
-    overtake each other on a path, but a round also waits for every other rank's entry, and ranks on
-    shared cores send their entries milliseconds apart: the window must cover that skew, or every late
-    rank looks like a loss."""
+    and still without its own result, is taken as lost. Rounds do not overtake each other on a path, but
+    a round also waits for every other rank's entry, and ranks on shared cores send their entries
+    milliseconds apart: the window must cover that skew, or every late rank looks like a loss."""
     f = st.f
     if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
@@ -212,7 +211,6 @@ def detect_loss(st, now):
     # rounds this worker sent before it still wait for a rank that is slow to send them (on veth links,
     # 1,554 entries resent in one episode, all held; and 232-308 when rounds that became ready 1.4-3.2 ms
     # after it still counted, "give or take" a reordering window that a 30 ms stall had widened).
-    ready_by = f[F_DELIVERED_READY]
     # R-C8: a round sent before the last drain began, or before a DRAIN_TIME after it ended, may wait for
     # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
     since = f[F_RACK_FROM]
@@ -222,7 +220,7 @@ def detect_loss(st, now):
     # only columns up to the delivered round's: every rank had admitted those (R-L6: prefixes of one
     # order), while a column past it may be one that a rank with a smaller window has not sent yet
     for c in range(min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)):
-        if since <= sent_at[c] < before and ready_at[c] <= ready_by and rb[c] != END and rb[c] != BOOT \
+        if since <= sent_at[c] < before and ready_at[c] <= f[F_DELIVERED_READY] and rb[c] != END and rb[c] != BOOT \
                 and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
             st.loss_confirmed[c % A] = True
