@@ -83,6 +83,20 @@ def _float_exponent(m):
     return np.int64(length - 149)
 
 
+@njit(inline="always", **JIT)
+def _scanned_exponent(bits, lo, hi, is_int):
+    """_block_exponent of bits[lo:hi], over a slice indexed from 0 (with `lo + i` numba must allow for
+    negative indices, which stops LLVM from vectorising the loop)."""
+    x = bits[lo: hi]
+    if is_int:
+        return _block_exponent(x, 0, x.shape[0], is_int)
+    m = np.int32(0)
+    for i in range(x.shape[0]):
+        v = x[i] & np.int32(0x7FFFFFFF)
+        m = v if v > m else m
+    return _float_exponent(m)
+
+
 @njit(**JIT)
 def scan_blocks(bits, words, block_size, is_int, blocks_out, exps_out):
     """Find the non-zero blocks of a flat float32/int32 tensor seen as int32 `bits`.
@@ -93,33 +107,37 @@ def scan_blocks(bits, words, block_size, is_int, blocks_out, exps_out):
     -0.0 counts as zero. `words` is the same memory as uint64 (or empty when the block size is odd or
     the buffer unaligned): an OR over it skips zero blocks at memory speed (an int32 OR loop does not
     vectorise under numba's integer widening); only non-zero blocks are read again for their maximum.
+    Blocks that the OR cannot take (all of them without `words`, else a partial last one) follow in a
+    loop of their own: a test for them inside the main loop cost the 1 % scan a fifth of its speed.
     """
     n = bits.shape[0]
     nblocks = (n + block_size - 1) // block_size
     half = block_size // 2
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) if is_int else np.uint64(0x7FFFFFFF7FFFFFFF)
-    fast_blocks = n // block_size if words.shape[0] > 0 else 0
+    whole = n // block_size if words.shape[0] > 0 else 0
     count = 0
-    for blk in range(nblocks):
-        # (loops over slices indexed from 0: with `start + i` numba must allow for negative indices,
-        # which stops LLVM from vectorising them)
-        if blk < fast_blocks:
-            w = words[blk * half: blk * half + half]
-            o = np.uint64(0)
-            for i in range(half):
-                o |= w[i]
-            if (o & mask) == 0:
-                continue
-        lo = blk * block_size
-        x = bits[lo: min(lo + block_size, n)]
-        if is_int:
-            e = _block_exponent(x, 0, x.shape[0], is_int)
-        else:
-            m = np.int32(0)
-            for i in range(x.shape[0]):
-                v = x[i] & np.int32(0x7FFFFFFF)
-                m = v if v > m else m
-            e = _float_exponent(m)
+    for blk in range(whole):
+        w = words[blk * half: blk * half + half]
+        o = np.uint64(0)
+        for i in range(half):
+            o |= w[i]
+        if (o & mask) == 0:
+            # Behind a zero block the loop reaches the next one sooner than the hardware prefetcher
+            # brings it in: asked for here, a core scanned 100 MB at 1 % density in 4.3 ms instead of
+            # 5.2 (medians of 30; a streaming read: 3.0-3.3). Behind a non-zero block the prefetcher
+            # keeps up, and asking for every block cost dense data 4.2 ms instead of 3.2.
+            T.prefetch(words, (blk + 1) * half, half)
+            continue
+        e = _scanned_exponent(bits, blk * block_size, (blk + 1) * block_size, is_int)
+        if e == NO_EXP:
+            continue
+        if e == INT_EXP + 1:
+            return count, blk
+        blocks_out[count] = blk
+        exps_out[count] = e
+        count += 1
+    for blk in range(whole, nblocks):
+        e = _scanned_exponent(bits, blk * block_size, min((blk + 1) * block_size, n), is_int)
         if e == NO_EXP:
             continue
         if e == INT_EXP + 1:
