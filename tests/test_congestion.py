@@ -309,6 +309,25 @@ def _in_flight(m):
     return st
 
 
+def _eight_columns_in_flight():
+    """RACK's later tests (R-C4): eight columns admitted, each with its round past the bootstrap in flight,
+    timers at 2.0, a least round trip of 0.1 ms."""
+    m = machine(columns=8)
+    m.begin(1.0)
+    st = _in_flight(m)
+    st.f[WS.F_MIN_RTT] = 0.0001
+    st.deadline[:] = 2.0
+    st.i[WS.I_ADMITTED] = 8
+    return m, st
+
+
+def _deliver_and_detect(m, st, column, now):
+    """The RESULT completing `column`'s round arrives at `now`, and RACK judges the rounds in flight."""
+    datagram = _result_for(m, [column])
+    assert K.receive_one(st, datagram, len(datagram), 0, now, False) == K.APPLIED
+    CC.detect_loss(st, now)
+
+
 def test_the_delivered_round_is_the_latest_sent_with_its_column_and_when_it_could_be_sent():
     """R-C4: of the rounds a RESULT completes, the latest sent is the reference, with its column and when
     its previous result arrived (ready_at); the result's arrival is the next round's ready_at."""
@@ -330,22 +349,13 @@ def test_a_round_the_window_admitted_late_says_nothing_of_rounds_that_became_rea
     rounds this rank sent before it, but that became ready after it, still wait for a rank that is slow
     to send them. Those are not lost (on veth links, taking them for lost resent up to 1,554 entries in
     one episode, every one held already). A round that could be sent as early is."""
-    m = machine(columns=8)
-    m.begin(1.0)
-    st = _in_flight(m)
-    st.f[WS.F_MIN_RTT] = 0.0001
-    st.deadline[:] = 2.0
-    st.i[WS.I_ADMITTED] = 8
+    m, st = _eight_columns_in_flight()
     st.sent_at[:4] = st.ready_at[:4] = 1.030           # columns 0..3: sent at once, waiting for a slow rank
     st.ready_at[7], st.sent_at[7] = 1.0, 1.040         # column 7: ready since 1.0, admitted at 1.040
-    datagram = _result_for(m, [7])
-    assert K.receive_one(st, datagram, len(datagram), 0, 1.041, False) == K.APPLIED
-    CC.detect_loss(st, 1.041)
+    _deliver_and_detect(m, st, 7, 1.041)
     assert (st.deadline[:4] == 2.0).all() and not st.loss_confirmed.any() and m.window_cuts == (0, 0)
     st.ready_at[6], st.sent_at[6] = 1.040, 1.041       # ready and sent 10 ms after them, and complete:
-    datagram = _result_for(m, [6])                      # those are lost
-    assert K.receive_one(st, datagram, len(datagram), 0, 1.042, False) == K.APPLIED
-    CC.detect_loss(st, 1.042)
+    _deliver_and_detect(m, st, 6, 1.042)                # those are lost
     assert (st.deadline[:4] == 1.042).all() and st.loss_confirmed[0] and m.window_cuts == (0, 1)
 
 
@@ -355,24 +365,15 @@ def test_a_round_that_became_ready_even_a_little_after_the_delivered_one_is_not_
     stalled and then sent the delivered round first. A reordering window widened by a stall (here 30 ms)
     must not let it count (on veth links 232-308 entries were resent so, all held, when rounds 1.4-3.2 ms
     younger than the delivered one counted). Rounds that became ready with it or before it still do."""
-    m = machine(columns=8)
-    m.begin(1.0)
-    st = _in_flight(m)
-    st.f[WS.F_MIN_RTT] = 0.0001
+    m, st = _eight_columns_in_flight()
     st.f[WS.F_HOST_WAIT], st.f[WS.F_HOST_WAIT_AT] = 0.030, 1.0     # a 30 ms wait for a core just now
-    st.deadline[:] = 2.0
-    st.i[WS.I_ADMITTED] = 8
     st.sent_at[:4] = st.ready_at[:4] = 1.0014          # columns 0..3: ready 1.4 ms after column 7's
     st.ready_at[7], st.sent_at[7] = 1.0, 1.080         # column 7: ready at 1.0, admitted and sent at 1.080
-    datagram = _result_for(m, [7])
-    assert K.receive_one(st, datagram, len(datagram), 0, 1.084, False) == K.APPLIED
     assert CC.host_wait(st, 1.084) > 0.0014             # the window would have covered the 1.4 ms
-    CC.detect_loss(st, 1.084)
+    _deliver_and_detect(m, st, 7, 1.084)
     assert (st.deadline[:4] == 2.0).all() and not st.loss_confirmed.any() and m.window_cuts == (0, 0)
     st.ready_at[5], st.sent_at[5] = 1.0014, 1.199      # ready with them, sent later, and complete:
-    datagram = _result_for(m, [5])                      # those are lost
-    assert K.receive_one(st, datagram, len(datagram), 0, 1.2, False) == K.APPLIED
-    CC.detect_loss(st, 1.2)
+    _deliver_and_detect(m, st, 5, 1.2)                  # those are lost
     assert (st.deadline[:4] == 1.2).all() and st.loss_confirmed[0] and m.window_cuts == (0, 1)
 
 
