@@ -1,4 +1,6 @@
 """The pure worker and aggregator state machines, driven through an in-memory network."""
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -319,3 +321,47 @@ def test_a_violating_result_changes_nothing_and_fails_the_allreduce():
         m.datagrams_to_send(0.2)
     with pytest.raises(ProtocolViolation, match="failed earlier"):
         m.receive(0, bad, 0.2)
+
+
+_LOSSY_AFTER_WARM_UP = """
+import sys
+
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+from netsim import run
+from zerosum.aggregator_machine import AggregatorMachine
+from zerosum.reference import reference_allreduce
+from zerosum.warmup import warm_up
+
+
+def signatures():
+    # every kernel's compiled (or loaded) signatures: a first call adds one, from numba's cache or not
+    return {(name, attr): set(f.overloads) for name, module in list(sys.modules.items())
+            if name.startswith("zerosum") for attr, f in vars(module).items() if isinstance(f, Dispatcher)}
+
+
+warm_up()
+before = signatures()
+for dtype in (np.float32, np.int32):
+    rng = np.random.default_rng(5)
+    arrays = [(rng.standard_normal(40) * 100).astype(dtype) for _ in range(2)]
+    outs, _ = run(arrays, [AggregatorMachine(1, 2, slots=4)], block_size=4, loss=0.3, seed=2)
+    for out in outs:
+        assert np.array_equal(out, reference_allreduce(arrays, 4)), dtype
+after = signatures()
+print("compiled after warm-up:", sorted(f"{m}.{a}" for (m, a), sigs in after.items()
+                                        if sigs - before.get((m, a), set())))
+"""
+
+
+def test_after_warm_up_loss_recovery_compiles_nothing():
+    """warmup.warm_up runs every kernel the machines call, loss recovery's too (the timers, probes and
+    retransmissions that Python calls from poll): otherwise a process's first loss compiled them
+    mid-allreduce (~1 s of one rank's CPU, its peers probing meanwhile). In a process of its own: the
+    suite's earlier tests would have compiled them here already."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _LOSSY_AFTER_WARM_UP], capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr
+    assert "compiled after warm-up: []" in r.stdout, r.stdout
