@@ -1,5 +1,7 @@
 """The pure worker and aggregator state machines, driven through an in-memory network."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -359,8 +361,6 @@ def test_after_warm_up_loss_recovery_compiles_nothing():
     retransmissions that Python calls from poll): otherwise a process's first loss compiled them
     mid-allreduce (~1 s of one rank's CPU, its peers probing meanwhile). In a process of its own: the
     suite's earlier tests would have compiled them here already."""
-    import subprocess
-    import sys
     r = subprocess.run([sys.executable, "-c", _LOSSY_AFTER_WARM_UP], capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr
