@@ -49,18 +49,19 @@ from .worker_state import (
 
 # -- the block scan -------------------------------------------------------------------------------------
 
-@njit(**JIT)
-def _block_exponent(bits, lo, hi, is_int):
-    """frexp exponent of the largest magnitude in bits[lo:hi] (INT_EXP for non-zero int32 data), NO_EXP
-    for a zero block, or INT_EXP + 1 for a block holding NaN or infinity."""
+@njit(inline="always", **JIT)
+def _block_exponent(x, is_int):
+    """frexp exponent of the largest magnitude in the block x (INT_EXP for non-zero int32 data), NO_EXP
+    for a zero block, or INT_EXP + 1 for a block holding NaN or infinity. x is a slice indexed from 0:
+    with `lo + i` numba must allow for negative indices, which stops LLVM from vectorising the loops."""
     if is_int:
         o = np.int64(0)
-        for i in range(lo, hi):
-            o |= np.int64(bits[i])
+        for i in range(x.shape[0]):
+            o |= np.int64(x[i])
         return INT_EXP if o != 0 else NO_EXP
     m = np.int32(0)
-    for i in range(lo, hi):
-        v = bits[i] & np.int32(0x7FFFFFFF)
+    for i in range(x.shape[0]):
+        v = x[i] & np.int32(0x7FFFFFFF)
         m = v if v > m else m
     return _float_exponent(m)
 
@@ -86,17 +87,8 @@ def _float_exponent(m):
 @njit(inline="always", **JIT)
 def _keep_block(bits, blk, lo, hi, is_int, count, blocks_out, exps_out):
     """Append block blk (bits[lo:hi]) with its exponent unless it is zero. Returns the new count and
-    whether it holds NaN or infinity (then nothing is appended). The loop runs over a slice indexed from
-    0: with `lo + i` numba must allow for negative indices, which stops LLVM from vectorising it."""
-    x = bits[lo: hi]
-    if is_int:
-        e = _block_exponent(x, 0, x.shape[0], is_int)
-    else:
-        m = np.int32(0)
-        for i in range(x.shape[0]):
-            v = x[i] & np.int32(0x7FFFFFFF)
-            m = v if v > m else m
-        e = _float_exponent(m)
+    whether it holds NaN or infinity (then nothing is appended)."""
+    e = _block_exponent(bits[lo: hi], is_int)
     if e == INT_EXP + 1:
         return count, True
     if e != NO_EXP:
