@@ -110,8 +110,8 @@ def end_epoch(st, now):
     rtt = f[F_EPOCH_MIN]
     f[F_EPOCH_START] = now
     f[F_EPOCH_MIN] = np.inf
-    if not np.isfinite(rtt):
-        return
+    if not np.isfinite(rtt) or not i[I_CONGESTION]:
+        return                      # without the window, epochs only pace R-C4's reordering window
     # R-C6: an ECN mark in the epoch is a verdict above the target, whatever the delay: a queue on the
     # path passed a switch's threshold (ATP, NSDI'21). Judged here, once per epoch, so that a burst of
     # marks costs one cut.
@@ -156,6 +156,8 @@ def on_rounds(st, acked, rtt, now, sent):
         f[F_EPOCH_MIN] = min(f[F_EPOCH_MIN], rtt)
         if sent >= f[F_EPOCH_START] and now >= f[F_EPOCH_START] + EPOCH_MIN:
             end_epoch(st, now)
+    if not i[I_CONGESTION]:
+        return                      # no window: the rounds are only loss detection's samples (R-C4)
     if f[F_QUEUE] > queue_target(st) or st.i[I_MARKED]:
         return                      # above the target: no growth until an epoch says otherwise
     if i[I_ADMITTED] >= st.round_block.shape[0]:
@@ -192,14 +194,17 @@ def note_host_wait(st, wait, now):
 
 @njit(**JIT)
 def detect_loss(st, now):
-    """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2): a round sent more than the
-    reordering window (a quarter of the least round trip, at least the delay target and this host's
-    longest recent wait) before one whose result has arrived, that could be sent no later than that one,
-    and still without its own result, is taken as lost. Rounds do not overtake each other on a path, but
-    a round also waits for every other rank's entry, and ranks on shared cores send their entries
-    milliseconds apart: the window must cover that skew, or every late rank looks like a loss."""
+    """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2), with or without the congestion
+    window: a round last sent more than the reordering window (a quarter of the least round trip, at
+    least the delay target and this host's longest recent wait) before one whose result has arrived, that
+    could be sent no later than that one, and still without its own result, is taken as lost. Rounds do
+    not overtake each other on a path, but a round also waits for every other rank's entry, and ranks on
+    shared cores send their entries milliseconds apart: the window must cover that skew, or every late
+    rank looks like a loss. A retransmission is judged by when it was sent, so one lost again is found
+    the same way (RFC 8985 keeps the latest transmission's time); a round the aggregator said it holds
+    (STATUS) is not judged: what it waits for is another rank's entry, which that rank resends."""
     f = st.f
-    if not st.i[I_CONGESTION] or f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
+    if f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
     reorder = max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
     before = f[F_DELIVERED_SENT] - reorder
@@ -215,13 +220,18 @@ def detect_loss(st, now):
     # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
     since = f[F_RACK_FROM]
     rb, ready, sent_at, ready_at, deadline = st.round_block, st.ready, st.sent_at, st.ready_at, st.deadline
+    status_seen = st.status_seen    # the aggregator said it holds this round's entry: the loss is elsewhere
     A = st.probe.shape[0]
     lost = False
     # only columns up to the delivered round's: every rank had admitted those (R-L6: prefixes of one
-    # order), while a column past it may be one that a rank with a smaller window has not sent yet
-    for c in range(min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)):
+    # order), while a column past it may be one that a rank with a smaller window has not sent yet; with
+    # no window at all (every column admitted, none ever held back) a job's ranks admit every column
+    S = rb.shape[0]
+    judged = S if not st.i[I_CONGESTION] and st.i[I_WINDOW] >= S else min(st.i[I_ADMITTED],
+                                                                          st.i[I_DELIVERED_COLUMN] + 1)
+    for c in range(judged):
         if since <= sent_at[c] < before and ready_at[c] <= f[F_DELIVERED_READY] and rb[c] != END and rb[c] != BOOT \
-                and not ready[c]:
+                and not ready[c] and not status_seen[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
             st.loss_confirmed[c % A] = True
             lost = True
@@ -249,17 +259,21 @@ def on_loss(st, now):
 
 
 @njit(**JIT)
-def on_spurious(st, entries, now):
-    """R-C4: the aggregator answered `entries` resent entries with STATUS (it held them already) or with a
-    second RESULT of their round (it had finished it), so they were not lost (a retransmission or probe
-    that another rank's lateness set off; either answer is to ZeroSum what a DSACK is to TCP). Undo the
-    last loss cut, if no cut came after it (RFC 3522's response, Linux's DSACK undo), and widen the
-    reordering window by one step, at most once per epoch (RFC 8985, section 6.2.4)."""
+def on_spurious(st, entries, now, held):
+    """R-C4: the aggregator answered `entries` resent entries with STATUS (`held`: it held them already)
+    or with a second RESULT of their round (it had finished it), so they were not lost (a retransmission
+    or probe that another rank's lateness set off; either answer is to ZeroSum what a DSACK is to TCP).
+    Undo the last loss cut, if no cut came after it (RFC 3522's response, Linux's DSACK undo), and widen
+    the reordering window by one step, at most once per epoch (RFC 8985, section 6.2.4). Without the
+    congestion window a STATUS widens nothing: every rank then sends every round as soon as its previous
+    result arrived, in the order the results arrived, so a round still open behind a later one that
+    completed lacks an entry that was lost at another rank (which resends it), not one still on its way;
+    widening for it had grown the window to 16 times at 2 % loss, and every loss then waited for a timer."""
     f, i = st.f, st.i
     i[I_SPURIOUS] += entries
-    if not i[I_CONGESTION]:
+    if held and not i[I_CONGESTION]:
         return
-    if f[F_PRIOR_CWND] > 0.0:
+    if i[I_CONGESTION] and f[F_PRIOR_CWND] > 0.0:
         f[F_CWND] = max(f[F_CWND], f[F_PRIOR_CWND])
         f[F_SSTHRESH] = max(f[F_SSTHRESH], f[F_PRIOR_SSTHRESH])
         f[F_PRIOR_CWND] = 0.0

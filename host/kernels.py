@@ -476,7 +476,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
         if block != BOOT:
             counts[4] += 1
-            if not math.isnan(sent_at[c]):
+            if not st.resent[c] and not math.isnan(sent_at[c]):
                 sample = np.int64((now - sent_at[c]) * 1e9)
                 counts[5] = sample if counts[5] < 0 else min(counts[5], sample)
                 sent = np.int64(sent_at[c] * 1e9)
@@ -503,7 +503,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             mine_pos[c] += 1
         round_block[c] = nxt
         round_exp[c] = nexp
-        if not math.isnan(sent_at[c]):
+        if not st.resent[c] and not math.isnan(sent_at[c]):
             rtt = max(rtt, now - sent_at[c])
         rto[c] = st.f[F_BASE_RTO]
         status_seen[c] = False
@@ -520,7 +520,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
 
 
 @njit(**JIT)
-def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, rto, now, round_block, admitted,
+def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, resent, rto, now, round_block, admitted,
                budget, quantum, first, per_agg):
     """The ready columns (queue[:queued], in the order their results arrived), in that order within each
     aggregator's group, the groups from aggregator `first` on (in `cols`), with their timers started.
@@ -572,6 +572,7 @@ def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, rto, 
         per_agg[c % aggregators] += 1
         deadline[c] = now + rto[c]
         sent_at[c] = now
+        resent[c] = False
         k += 1
     if aggregators > 1 and k > 1:
         # group by aggregator, from `first` on, keeping the order within each group: taken columns go
@@ -607,7 +608,7 @@ def admit(round_block, window):
 
 
 @njit(**JIT)
-def take_expired(round_block, cols, aggregators, deadline, sent_at, rto, allow, max_rto, now):
+def take_expired(round_block, cols, aggregators, deadline, sent_at, resent, rto, allow, max_rto, now):
     """The columns whose timer expired, at most allow[a] of aggregator a, grouped by aggregator, with
     doubled timeouts and no round-trip sample from them (Karn's rule); returns the count."""
     S = round_block.shape[0]
@@ -622,7 +623,8 @@ def take_expired(round_block, cols, aggregators, deadline, sent_at, rto, allow, 
                 rto[c] = min(rto[c] * 2, max_rto)
                 cols[k] = c
                 deadline[c] = now + rto[c]
-                sent_at[c] = np.nan
+                sent_at[c] = now
+                resent[c] = True
                 k += 1
     return k
 
@@ -725,14 +727,14 @@ def receive_one(st, b, n, aggregator, now, ce):
     if ce or marked:
         on_mark(st)                                   # R-C6 (before on_rounds: this round's verdict sees it)
     if st.counts[7]:
-        on_spurious(st, st.counts[7], now)
+        on_spurious(st, st.counts[7], now, True)
         st.counts[7] = 0
     if ptype == P.RESULT:
         st.f[F_LAST_PROGRESS] = now
         st.i[I_REMAINING] = S - st.counts[2]
         if rtt >= 0:
             measure(st, rtt)
-        if st.i[I_CONGESTION] and st.counts[4]:
+        if st.counts[4]:
             if st.counts[6] * 1e-9 > st.f[F_DELIVERED_SENT]:
                 st.f[F_DELIVERED_SENT] = st.counts[6] * 1e-9
                 st.f[F_DELIVERED_READY] = st.counts[9] * 1e-9
@@ -745,7 +747,7 @@ def receive_one(st, b, n, aggregator, now, ce):
     if st.counts[0]:
         # R-L4; and R-C4: the aggregator answers a resent entry of a finished round with its RESULT again,
         # so a RESULT that arrives twice says what was resent had not been lost either
-        on_spurious(st, st.counts[0], now)
+        on_spurious(st, st.counts[0], now, False)
         st.drops[D_DUPLICATE] += st.counts[0]
         st.counts[0] = 0
     return PROBE_OUT if st.probe[aggregator] >= 0 else APPLIED
@@ -769,13 +771,13 @@ def flush_ready(st, now):
     the window (R-L6) and as far as the pacer lets them go (R-C7); returns the number of datagrams built
     (st.cuts)."""
     S = st.round_block.shape[0]
+    detect_loss(st, now)
     if st.i[I_CONGESTION]:
-        detect_loss(st, now)
         drain_step(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
     n, columns, held, resume, kept = take_ready(
-        st.ready, st.queue, st.i[I_QUEUED], st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.rto, now,
+        st.ready, st.queue, st.i[I_QUEUED], st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.resent, st.rto, now,
         st.round_block, st.i[I_ADMITTED], pace_budget(st, now), entries_per_datagram(st), st.i[I_PACE_FROM],
         st.allow)
     st.i[I_QUEUED] = kept
@@ -811,7 +813,7 @@ def _raw_state(st):
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
-        T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
+        T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
         T.raw(st.loss_confirmed), T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols),
         T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out),
         T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))

@@ -220,7 +220,7 @@ class AllreduceMachine:
             round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
             mine_pos=starts[:-1].copy(), col_stop=starts[1:].copy(), seq=seq, seq_exp=seq_exp, seq_row=seq_row,
             src=source.values, ready=np.zeros(S, bool), queue=np.zeros(S, np.int64), deadline=np.full(S, np.inf),
-            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan),
+            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), resent=np.zeros(S, bool),
             ready_at=np.zeros(S), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
@@ -432,8 +432,8 @@ class AllreduceMachine:
             else:
                 st.allow[a] = 0
         expired = self._expired(now)
-        n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.rto,
-                           st.allow, self.cfg.max_rto, now)
+        n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.resent,
+                           st.rto, st.allow, self.cfg.max_rto, now)
         if n == 0:
             st.loss_confirmed[:] = False     # nothing expired: no loss left to repair
             return []

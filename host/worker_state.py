@@ -28,7 +28,9 @@ class WorkerState(NamedTuple):
     #                            results arrived, which flush_ready keeps (R-A8)
     deadline: np.ndarray       # float64 [S]: retransmission timers (R-L1)
     rto: np.ndarray            # float64 [S]
-    sent_at: np.ndarray        # float64 [S]: first transmission of the round (NaN once retransmitted)
+    sent_at: np.ndarray        # float64 [S]: the round's latest transmission (NaN: not sent yet)
+    resent: np.ndarray         # bool [S]: the round was retransmitted: no round-trip sample from it
+    #                            (Karn's rule), and its result does not say what was delivered (R-C4)
     ready_at: np.ndarray       # float64 [S]: when the round could first be sent: its previous result
     #                            arrived (the allreduce's start for the bootstrap; R-C4)
     waiting_for: np.ndarray    # int64 [S]: bitmap of the last STATUS (ranks heard), -1: probe pending

@@ -103,7 +103,8 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
                     flushed = True
             if flushed:
                 continue
-            now = min(m.timer() for m in machines if not m.done)
+            # the clock never goes back: a timer already due (a loss judged at once, R-C4) fires now
+            now = max(now, min(m.timer() for m in machines if not m.done))
             for r, m in enumerate(machines):
                 for a, data in m.poll(now):
                     post("agg", a, r, data)

@@ -98,19 +98,19 @@ def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering
     st.f[WS.F_QUEUE] = st.f[WS.F_TARGET]
     CC.on_loss(st, 1.0)
     assert m.cwnd == 20 * ENTRY and m.window_cuts == (0, 1)
-    CC.on_spurious(st, 2, 1.001)                                     # R-C4: STATUS answered what was resent
+    CC.on_spurious(st, 2, 1.001, True)                               # R-C4: STATUS answered what was resent
     assert m.cwnd == 40 * ENTRY and st.f[WS.F_SSTHRESH] == 80 * ENTRY and m.window_cuts == (0, 0)
     assert m.window_columns == 40 and m.spurious_entries == 2 and st.i[WS.I_REO_MULT] == 2
-    CC.on_spurious(st, 1, 1.002)                                     # once per epoch, and nothing left to undo
+    CC.on_spurious(st, 1, 1.002, True)                               # once per epoch, and nothing left to undo
     assert st.i[WS.I_REO_MULT] == 2 and m.cwnd == 40 * ENTRY and m.spurious_entries == 3
     st.f[WS.F_EPOCH_START] = 1.003
-    CC.on_spurious(st, 1, 1.004)
+    CC.on_spurious(st, 1, 1.004, True)
     assert st.i[WS.I_REO_MULT] == 3
     st.f[WS.F_MIN_RTT] = 0.001
     CC.on_rounds(st, 1, 0.02, 1.1, 1.08)                             # a delay cut (R-C3) is not undone
     cut = m.cwnd
     assert m.window_cuts == (1, 0) and cut < 40 * ENTRY
-    CC.on_spurious(st, 1, 1.101)
+    CC.on_spurious(st, 1, 1.101, True)
     assert m.cwnd == cut
 
 
@@ -198,7 +198,7 @@ def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_i
     CC.on_loss(st, now + 0.1)
     assert m.cwnd == pytest.approx(0.5 * (before + ENTRY * ENTRY / before / 4))
     cut = m.cwnd
-    CC.on_spurious(st, 1, now + 0.101)
+    CC.on_spurious(st, 1, now + 0.101, True)
     assert m.cwnd == cut                                            # losses beside such a flow are real
     later = now + 0.2
     rtt = 0.001 + allowed + 0.004                                   # more queue than allowed: a delay cut
@@ -413,6 +413,67 @@ def test_loss_detection_waits_out_a_drain_and_leaves_the_rounds_sent_before_it_t
     st.sent_at[0] = 1.06                                            # sent after it, 40 ms before: lost
     CC.detect_loss(st, 1.1)
     assert st.deadline[0] == 1.1 and st.deadline[1] == 2.0 and m.window_cuts == (0, 1)
+
+
+def _no_window_in_flight(columns=8):
+    """A machine without the congestion window (window=None, as "auto" is where every aggregator is on the
+    worker's host), every column's round past the bootstrap in flight, ready since 1.0, timers at 2.0."""
+    m = machine(columns=columns, window=None)
+    m.begin(1.0)
+    st = _in_flight(m)
+    st.ready_at[:] = 1.0
+    st.deadline[:] = 2.0
+    assert not st.i[WS.I_CONGESTION] and m.window_columns == columns
+    return m, st
+
+
+def test_without_a_window_every_column_is_judged_and_nothing_is_cut():
+    """R-C4 without the congestion window: a round sent more than the reordering window before one that
+    completed is lost, in any column (no rank holds one back, so the delivered round's column bounds
+    nothing), and nothing is cut; a round the aggregator said it holds waits for another rank's entry.
+    Before, loss waited there for the timers of R-L1 (2 % loss: 19.6 s for a 0.06 s allreduce)."""
+    m, st = _no_window_in_flight()
+    st.sent_at[:] = 1.0
+    st.sent_at[7] = 1.02                                  # column 7: sent 20 ms after the others, and complete
+    st.status_seen[5] = True                              # column 5: the aggregator holds its entry
+    _deliver_and_detect(m, st, 7, 1.021)                  # the least round trip is measured without the window
+    assert st.f[WS.F_MIN_RTT] == pytest.approx(0.001) and st.i[WS.I_DELIVERED_COLUMN] == 7
+    st.i[WS.I_DELIVERED_COLUMN] = 2                       # a reference in a low column bounds nothing either
+    st.deadline[:7] = 2.0
+    CC.detect_loss(st, 1.021)
+    lost = [0, 1, 2, 3, 4, 6]
+    assert (st.deadline[lost] == 1.021).all() and st.deadline[5] == 2.0 and st.loss_confirmed[0]
+    assert m.window_cuts == (0, 0) and m.window_columns == 8
+
+
+def test_a_retransmission_is_judged_by_when_it_was_resent_and_its_result_marks_nothing_delivered():
+    """R-C4: a retransmission lost again is found as the first transmission was (RFC 8985 keeps the
+    latest transmission's time); its result gives no round-trip sample (Karn) and marks nothing delivered,
+    since it may answer the first transmission."""
+    m, st = _no_window_in_flight()
+    st.sent_at[:] = 1.04
+    st.sent_at[5:7], st.resent[5:7] = 1.03, True          # columns 5 and 6: retransmitted at 1.03
+    _deliver_and_detect(m, st, 6, 1.05)
+    assert st.f[WS.F_DELIVERED_SENT] == 0.0 and not st.i[WS.I_HAS_SRTT] and (st.deadline[:6] == 2.0).all()
+    _deliver_and_detect(m, st, 7, 1.06)                   # a round first sent at 1.04 completes: column 5's
+    assert st.deadline[5] == 1.06 and st.loss_confirmed[0]   # retransmission, 10 ms before it, is lost again
+    assert (st.deadline[:5] == 2.0).all() and st.i[WS.I_HAS_SRTT]
+
+
+def test_without_a_window_a_status_widens_no_reordering_window_and_a_second_result_does():
+    """R-C4: without the window every rank sends each round once its previous result arrived, in one
+    order, so a STATUS for a resent entry says another rank lost its entry, not that ours was late: no
+    widening (at 2 % loss it had reached 10-16 times, and every loss then waited for a timer). A second
+    RESULT says our own entry or result was late, and widens it."""
+    m = machine(window=None)
+    st = m.st
+    CC.on_spurious(st, 3, 1.0, True)
+    assert m.spurious_entries == 3 and st.i[WS.I_REO_MULT] == 1
+    CC.on_spurious(st, 1, 1.001, False)
+    assert m.spurious_entries == 4 and st.i[WS.I_REO_MULT] == 2
+    with_window = machine()                               # with the window, a STATUS widens it as before
+    CC.on_spurious(with_window.st, 1, 1.0, True)
+    assert with_window.st.i[WS.I_REO_MULT] == 2
 
 
 def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():

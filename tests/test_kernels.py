@@ -531,11 +531,12 @@ def _take_ready(queue, S, A, admitted, budget, quantum=1, first=0, boot=()):
     round_block[list(boot)] = P.BOOT
     cols = np.zeros(S, np.int64)
     deadline, sent_at, rto = np.full(S, np.inf), np.full(S, np.nan), np.full(S, 0.2)
-    k, paced, held, _, kept = K.take_ready(ready, q, len(queue), cols, A, deadline, sent_at, rto, 1.0,
+    resent = np.ones(S, bool)
+    k, paced, held, _, kept = K.take_ready(ready, q, len(queue), cols, A, deadline, sent_at, resent, rto, 1.0,
                                            round_block, admitted, budget, quantum, first, np.zeros(A, np.int64))
     taken = cols[:k].tolist()
     assert not ready[taken].any() and ready[q[:kept]].all()
-    assert (deadline[taken] == 1.2).all() and (sent_at[taken] == 1.0).all()
+    assert (deadline[taken] == 1.2).all() and (sent_at[taken] == 1.0).all() and not resent[taken].any()
     return taken, q[:kept].tolist(), paced, held
 
 
