@@ -227,8 +227,8 @@ def detect_loss(st, now):
     # order), while a column past it may be one that a rank with a smaller window has not sent yet; with
     # no window at all (every column admitted, none ever held back) a job's ranks admit every column
     S = rb.shape[0]
-    judged = S if not st.i[I_CONGESTION] and st.i[I_WINDOW] >= S else min(st.i[I_ADMITTED],
-                                                                          st.i[I_DELIVERED_COLUMN] + 1)
+    no_window = not st.i[I_CONGESTION] and st.i[I_WINDOW] >= S
+    judged = S if no_window else min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)
     for c in range(judged):
         if since <= sent_at[c] < before and ready_at[c] <= f[F_DELIVERED_READY] and rb[c] != END and rb[c] != BOOT \
                 and not ready[c] and not status_seen[c]:

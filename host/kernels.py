@@ -474,9 +474,11 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             counts[0] += 1
             continue
         sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
+        # a sample only from a round sent once (Karn's rule; R-C4: nor is it a reference for RACK)
+        sampled = not st.resent[c] and not math.isnan(sent_at[c])
         if block != BOOT:
             counts[4] += 1
-            if not st.resent[c] and not math.isnan(sent_at[c]):
+            if sampled:
                 sample = np.int64((now - sent_at[c]) * 1e9)
                 counts[5] = sample if counts[5] < 0 else min(counts[5], sample)
                 sent = np.int64(sent_at[c] * 1e9)
@@ -503,7 +505,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             mine_pos[c] += 1
         round_block[c] = nxt
         round_exp[c] = nexp
-        if not st.resent[c] and not math.isnan(sent_at[c]):
+        if sampled:
             rtt = max(rtt, now - sent_at[c])
         rto[c] = st.f[F_BASE_RTO]
         status_seen[c] = False
@@ -520,8 +522,8 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
 
 
 @njit(**JIT)
-def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, resent, rto, now, round_block, admitted,
-               budget, quantum, first, per_agg):
+def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, resent, rto, now, round_block,
+               admitted, budget, quantum, first, per_agg):
     """The ready columns (queue[:queued], in the order their results arrived), in that order within each
     aggregator's group, the groups from aggregator `first` on (in `cols`), with their timers started.
     Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's window, R-L6),
@@ -777,9 +779,9 @@ def flush_ready(st, now):
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
         st.i[I_ADMITTED] = admit(st.round_block, st.i[I_WINDOW])
     n, columns, held, resume, kept = take_ready(
-        st.ready, st.queue, st.i[I_QUEUED], st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.resent, st.rto, now,
-        st.round_block, st.i[I_ADMITTED], pace_budget(st, now), entries_per_datagram(st), st.i[I_PACE_FROM],
-        st.allow)
+        st.ready, st.queue, st.i[I_QUEUED], st.cols, st.probe.shape[0], st.deadline, st.sent_at, st.resent,
+        st.rto, now, st.round_block, st.i[I_ADMITTED], pace_budget(st, now), entries_per_datagram(st),
+        st.i[I_PACE_FROM], st.allow)
     st.i[I_QUEUED] = kept
     pace_sent(st, columns, held, resume)
     return encode_columns(st, n) if n else 0
