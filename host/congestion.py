@@ -16,7 +16,7 @@ from numba import njit
 from .spec import MAX_DATAGRAM
 from .wire import BOOT, END, HDR, JIT
 from .worker_state import (
-    F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN,
+    ASKED, F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN,
     F_DRAIN_PERIOD, F_DRAIN_SLOT, F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT,
     F_MAX_RTO, F_MIN_RTO, F_MIN_RTT, F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND,
     F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM, F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET, F_WALL_CLOCK,
@@ -192,6 +192,28 @@ def note_host_wait(st, wait, now):
         st.f[F_HOST_WAIT_AT] = now
 
 
+@njit(inline="always", **JIT)
+def reordering_window(st, now):
+    """R-C4: how much later than a round a delivered one may have been sent before the round counts as
+    lost: a quarter of the least round trip, at least the delay target and this host's longest recent
+    wait, times the multiple that spurious retransmissions widen."""
+    f = st.f
+    return max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
+
+
+@njit(**JIT)
+def tail_probe_timeout(st, now):
+    """R-L8: how long an aggregator may be quiet, while rounds this worker sent to it await their results,
+    before a tail probe goes out (RFC 8985, section 7.2: two smoothed round trips), plus the reordering
+    window (a round waits for every rank's entry, and ranks on shared cores send theirs that far apart).
+    inf before a round trip was measured, or where the retransmission timeout (R-L1) comes no later."""
+    f = st.f
+    if not st.i[I_HAS_SRTT]:
+        return np.inf
+    pto = 2.0 * f[F_SRTT] + reordering_window(st, now)
+    return pto if pto < f[F_BASE_RTO] else np.inf
+
+
 @njit(**JIT)
 def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2), with or without the congestion
@@ -201,13 +223,14 @@ def detect_loss(st, now):
     not overtake each other on a path, but a round also waits for every other rank's entry, and ranks on
     shared cores send their entries milliseconds apart: the window must cover that skew, or every late
     rank looks like a loss. A retransmission is judged by when it was sent, so one lost again is found
-    the same way (RFC 8985 keeps the latest transmission's time); a round the aggregator said it holds
-    (STATUS) is not judged: what it waits for is another rank's entry, which that rank resends."""
+    the same way (RFC 8985 keeps the latest transmission's time). A round the aggregator said it holds
+    (STATUS) is judged too: it waits for an entry another rank lost, or it completed and its RESULT to
+    this worker was lost, which only this worker can ask for (its STATUS answer then counts as no
+    spurious retransmission: ASKED)."""
     f = st.f
     if f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
-    reorder = max(0.25 * f[F_MIN_RTT], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
-    before = f[F_DELIVERED_SENT] - reorder
+    before = f[F_DELIVERED_SENT] - reordering_window(st, now)
     # ... and could be sent no later than it: every rank sends a round once its previous result arrived
     # and the column is admitted, in the order the results arrived (R-A8), which is the same on every
     # rank, so every rank sent such a round before the delivered one. A round that became ready later,
@@ -220,7 +243,7 @@ def detect_loss(st, now):
     # a rank that drained earlier or longer; the retransmission timer (R-L2) still covers it
     since = f[F_RACK_FROM]
     rb, ready, sent_at, ready_at, deadline = st.round_block, st.ready, st.sent_at, st.ready_at, st.deadline
-    status_seen = st.status_seen    # the aggregator said it holds this round's entry: the loss is elsewhere
+    status_seen, waiting_for = st.status_seen, st.waiting_for
     A = st.probe.shape[0]
     lost = False
     # only columns up to the delivered round's: every rank had admitted those (R-L6: prefixes of one
@@ -231,8 +254,12 @@ def detect_loss(st, now):
     judged = S if no_window else min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)
     for c in range(judged):
         if since <= sent_at[c] < before and ready_at[c] <= f[F_DELIVERED_READY] and rb[c] != END and rb[c] != BOOT \
-                and not ready[c] and not status_seen[c]:
+                and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
+            if status_seen[c]:
+                # the aggregator had said it holds this round: a rank's entry is lost (that rank resends
+                # it), or the round completed and its RESULT to this worker is: only this worker can ask
+                waiting_for[c] = ASKED
             st.loss_confirmed[c % A] = True
             lost = True
     if lost:

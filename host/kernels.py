@@ -37,14 +37,14 @@ from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLO
                    get32, put_entry, put_header, read_entry, store_swapped, swap32 as _swap)
 from .congestion import (
     detect_loss, drain_step, drain_timer, entries_per_datagram, measure, note_host_wait, on_mark, on_rounds,
-    on_spurious, pace_budget, pace_sent, pace_timer)
+    on_spurious, pace_budget, pace_sent, pace_timer, tail_probe_timeout)
 from .worker_state import (
-    D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH, D_TYPE,
-    D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR, F_LAST_PROGRESS,
-    F_MAX_RTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
-    I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM,
-    I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP, I_VIOLATION, I_WINDOW,
-    WorkerState)
+    ASKED, D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH,
+    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR,
+    F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT,
+    I_COLLECT, I_CONGESTION, I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT,
+    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP,
+    I_VIOLATION, I_WINDOW, TAIL_PROBES, WorkerState)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -462,10 +462,10 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
                     T.prefetch(out_values, block1 * B, B)
         if ptype == P.STATUS:
             if block == round_block[c]:
+                if block != BOOT and st.waiting_for[c] != ASKED:
+                    counts[7] += 1      # the aggregator held our entry: what we resent was not lost
                 st.waiting_for[c] = nxt
                 status_seen[c] = True
-                if block != BOOT:
-                    counts[7] += 1      # the aggregator held our entry: what we resent was not lost
                 # the aggregator holds our contribution and waits for others: no need to resend soon
                 rto[c] = min(rto[c] * 2, st.f[F_MAX_RTO])
                 deadline[c] = max(deadline[c], now + rto[c])
@@ -632,16 +632,39 @@ def take_expired(round_block, cols, aggregators, deadline, sent_at, resent, rto,
 
 
 @njit(**JIT)
-def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, loss_confirmed, due_by):
+def tail_candidates(st, probe_of):
+    """R-L8: per aggregator a, into probe_of[a], the column that its next tail probe would resend (-1:
+    none): of its rounds in flight (sent, without a result), with both tail probes left the one sent
+    last, with one left the one sent first."""
+    probe_of[:] = -1
+    A = probe_of.shape[0]
+    round_block, deadline, sent_at, armed = st.round_block, st.deadline, st.sent_at, st.tail_armed
+    for c in range(round_block.shape[0]):
+        if round_block[c] != END and deadline[c] < np.inf:
+            a = c % A
+            p = probe_of[a]
+            if p < 0 or (sent_at[c] > sent_at[p] if armed[a] == TAIL_PROBES else sent_at[c] < sent_at[p]):
+                probe_of[a] = c
+
+
+@njit(**JIT)
+def next_timer(st, due_by):
     """When the worker's timers next need a look: per aggregator, the earliest timer of its columns
     still in progress, once the aggregator has been quiet for base_rto; with a probe out, the probe's
-    own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery").
+    own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery"); or, with
+    a tail probe left, F_TAIL_PTO after the aggregator was last heard from or the round that the tail
+    probe would resend was sent, whichever came later (R-L8).
 
     Where that time is after `due_by`, a time after `due_by` and no later than it may come instead: an
     aggregator's term is never before its probe's timer or, without a confirmed loss, before it was last
-    heard from + base_rto, and while those all lie past `due_by` the scan over every column is skipped
-    (the driver loop asks after every batch only whether anything is due by now, and how long it may
-    wait: waking at the bound costs one more look). due_by = inf: always the time itself."""
+    heard from + base_rto (or + F_TAIL_PTO, armed), and while those all lie past `due_by` the scan over
+    every column is skipped (the driver loop asks after every batch only whether anything is due by now,
+    and how long it may wait: waking at the bound costs one more look). due_by = inf: always the time
+    itself."""
+    probe, loss_confirmed, last_heard, armed = st.probe, st.loss_confirmed, st.last_heard, st.tail_armed
+    deadline, round_block = st.deadline, st.round_block
+    base_rto, pto = st.f[F_BASE_RTO], st.f[F_TAIL_PTO]
+    aggregators = probe.shape[0]
     bound = np.inf
     exact = False
     for a in range(aggregators):
@@ -650,13 +673,16 @@ def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, 
         elif loss_confirmed[a]:
             exact = True
         else:
-            bound = min(bound, last_heard[a] + base_rto)
+            bound = min(bound, last_heard[a] + (min(pto, base_rto) if armed[a] else base_rto))
     if not exact and bound > due_by:
         return bound
     first = np.full(aggregators, np.inf)
     for c in range(round_block.shape[0]):
         if round_block[c] != END and deadline[c] < first[c % aggregators]:
             first[c % aggregators] = deadline[c]
+    probe_of = np.empty(aggregators, np.int64)
+    if pto < np.inf:
+        tail_candidates(st, probe_of)
     t = np.inf
     for a in range(aggregators):
         if probe[a] >= 0:
@@ -665,6 +691,8 @@ def next_timer(round_block, deadline, aggregators, last_heard, base_rto, probe, 
             d = first[a]
         else:
             d = max(first[a], last_heard[a] + base_rto)
+            if pto < np.inf and armed[a] and probe_of[a] >= 0:
+                d = min(d, max(last_heard[a], st.sent_at[probe_of[a]]) + pto)
         t = min(t, d)
     return t
 
@@ -733,6 +761,7 @@ def receive_one(st, b, n, aggregator, now, ce):
         st.counts[7] = 0
     if ptype == P.RESULT:
         st.f[F_LAST_PROGRESS] = now
+        st.tail_armed[aggregator] = TAIL_PROBES       # R-L8: tail probes may follow this result
         st.i[I_REMAINING] = S - st.counts[2]
         if rtt >= 0:
             measure(st, rtt)
@@ -774,6 +803,7 @@ def flush_ready(st, now):
     (st.cuts)."""
     S = st.round_block.shape[0]
     detect_loss(st, now)
+    st.f[F_TAIL_PTO] = tail_probe_timeout(st, now)
     if st.i[I_CONGESTION]:
         drain_step(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
@@ -794,8 +824,7 @@ def recovery_timer(st, due_by=np.inf):
     due_by, possibly an earlier time still after due_by (next_timer)."""
     if st.i[I_REMAINING] == 0:
         return np.inf
-    t = next_timer(st.round_block, st.deadline, st.probe.shape[0], st.last_heard, st.f[F_BASE_RTO], st.probe,
-                   st.loss_confirmed, due_by)
+    t = next_timer(st, due_by)
     return min(t, st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT])
 
 
@@ -816,9 +845,9 @@ def _raw_state(st):
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
         T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
-        T.raw(st.loss_confirmed), T.raw(st.last_heard), T.raw(st.slots_used), T.raw(st.allow), T.raw(st.cols),
-        T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts), T.raw(st.values), T.raw(st.blocks_out),
-        T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
+        T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard), T.raw(st.slots_used),
+        T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
+        T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 
 
 # drive's outcomes

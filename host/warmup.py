@@ -73,6 +73,7 @@ def warm_up() -> None:
             # one's round-trip estimate, on a loss, for the pacer's report (this machine is done with)
             CC.update_rto(m.st)
             CC.on_loss(m.st, 0.0)
+            K.tail_candidates(m.st, np.empty(1, np.int64))     # a tail probe (R-L8)
             m.pacing
     _warm_up_transport(B)
     _done = True

@@ -34,6 +34,7 @@ class WorkerStats:
     datagrams_received: int = 0
     retransmitted_entries: int = 0
     probes: int = 0          # single entries sent to tell a loss from a slow peer (see AllreduceMachine.poll)
+    tail_probes: int = 0     # of them, those sent for a quiet aggregator's round trips (R-L8)
     drops: dict = field(default_factory=dict)
     window: int = 0          # the last allreduce's window in bytes (the congestion window's, R-C*)
     srtt: float | None = None   # its smoothed round trip, seconds
@@ -528,6 +529,7 @@ class Worker:
             self.stats.bytes_sent += m.bytes_sent
             self.stats.retransmitted_entries += m.retransmitted
             self.stats.probes += m.probes
+            self.stats.tail_probes += m.tail_probes
             for k, v in m.drops.items():
                 self.stats.drops[k] = self.stats.drops.get(k, 0) + v
 

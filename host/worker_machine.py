@@ -223,6 +223,7 @@ class AllreduceMachine:
             rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), resent=np.zeros(S, bool),
             ready_at=np.zeros(S), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
+            tail_armed=np.zeros(A, np.int64),
             last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
@@ -236,7 +237,7 @@ class AllreduceMachine:
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
                         -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
                         0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
-                        0.0 if fresh else path.other_queue, 0.0], np.float64),
+                        0.0 if fresh else path.other_queue, 0.0, np.inf], np.float64),
             i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         self.st.counts[9] = -1
@@ -263,8 +264,15 @@ class AllreduceMachine:
         self.columns_of = [np.arange(a, S, A) for a in range(A)]
         self._quiet = np.zeros(A, bool)
         self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
-        self.probes = 0
+        self.probes = 0           # R-L2's probes and R-L8's tail probes
+        self.tail_probes = 0
         self.retransmitted = 0
+        # per aggregator: the probe out is a tail probe (R-L8); the column it resent, and when that
+        # column's round had last been sent before
+        self._tail_out = np.zeros(A, bool)
+        self._tail_column = np.full(A, -1, np.int64)
+        self._tail_sent = np.zeros(A)
+        self._tail_probe_of = np.empty(A, np.int64)   # scratch for kernels.tail_candidates
         # per aggregator, the other columns whose timers had expired when its probe went out, and their
         # rounds then (probe_answered: did any of them complete without being resent?)
         self._probed_expired = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * A
@@ -371,6 +379,7 @@ class AllreduceMachine:
         """Begin the allreduce: every column's bootstrap round is ready to send."""
         self.st.f[WS.F_LAST_PROGRESS] = now
         self.st.last_heard[:] = now
+        self.st.tail_armed[:] = WS.TAIL_PROBES
         self.st.ready[:] = True
         self.st.ready_at[:] = now
         self.st.queue[:] = np.arange(self.layout.columns)
@@ -432,27 +441,70 @@ class AllreduceMachine:
             else:
                 st.allow[a] = 0
         expired = self._expired(now)
-        n = K.take_expired(st.round_block, st.cols, self.layout.aggregators, st.deadline, st.sent_at, st.resent,
+        A = self.layout.aggregators
+        n = K.take_expired(st.round_block, st.cols, A, st.deadline, st.sent_at, st.resent,
                            st.rto, st.allow, self.cfg.max_rto, now)
-        if n == 0:
-            st.loss_confirmed[:] = False     # nothing expired: no loss left to repair
+        taken_from = np.bincount(st.cols[:n] % A, minlength=A)
+        st.loss_confirmed[taken_from == 0] = False     # nothing expired there: no loss left to repair
+        tails = self._tail_probes(now, taken_from, n)
+        if n + tails == 0:
             return []
-        for a in range(self.layout.aggregators):
+        for a in range(A):
             if st.allow[a] == 1:
-                taken = st.cols[:n][st.cols[:n] % self.layout.aggregators == a]
+                taken = st.cols[:n][st.cols[:n] % A == a]
                 if len(taken):
+                    self._tail_out[a] = False
                     st.probe[a] = taken[0]
                     st.waiting_for[taken[0]] = -1    # a fresh STATUS (a bitmap, >= 0) answers the probe
                     cols = self.columns_of[a]
                     waited = cols[expired[cols] & (cols != taken[0])]
                     self._probed_expired[a] = (waited, st.round_block[waited].copy())
                     self.probes += 1
-            elif st.allow[a] == S:
+            elif st.allow[a] == S and taken_from[a]:
                 CC.on_loss(st, now)                            # R-C4
-                self.retransmitted += int(np.count_nonzero(st.cols[:n] % self.layout.aggregators == a))
+                self.retransmitted += int(taken_from[a])
+                self._tail_out[a] = False
                 st.probe[a] = -1
                 st.loss_confirmed[a] = False
-        return self._datagrams(K.encode_columns(st, n))
+        return self._datagrams(K.encode_columns(st, n + tails))
+
+    def _tail_probes(self, now: float, taken_from: np.ndarray, n: int) -> int:
+        """R-L8 (after RACK's tail loss probe, RFC 8985, section 7): an aggregator quiet for F_TAIL_PTO
+        while rounds this worker sent it await their results, with nothing of it expired or probed now,
+        is sent the entry of one round in flight, as it was, after st.cols[:n]: lost rounds that no later
+        round reveals (R-C4) end an allreduce, and R-L1's timer, backed off by every retransmission, is no
+        quicker than 50 ms. First the round sent last: a RESULT answer says that every round sent no later
+        than it is overdue (probe_answered). If a STATUS answers it (the aggregator holds it and waits for
+        another rank), the round sent first: a round that a STATUS said held may have completed since with
+        its RESULT to this worker lost, which no other rank can ask for. Then none until the aggregator's
+        next RESULT. Nothing backs off. Returns how many went out."""
+        st = self.st
+        pto = st.f[WS.F_TAIL_PTO]
+        if not np.isfinite(pto):
+            return 0
+        probe_of = self._tail_probe_of
+        K.tail_candidates(st, probe_of)
+        k = 0
+        for a in range(self.layout.aggregators):
+            c = int(probe_of[a])
+            if (c < 0 or taken_from[a] or st.probe[a] >= 0 or st.loss_confirmed[a] or st.tail_armed[a] == 0
+                    or now < max(st.last_heard[a], st.sent_at[c]) + pto):
+                continue
+            if st.tail_armed[a] < WS.TAIL_PROBES and c == self._tail_column[a]:
+                st.tail_armed[a] = 0                      # the round sent first is the one just asked after
+                continue
+            self._tail_sent[a] = st.sent_at[c]
+            st.sent_at[c], st.resent[c] = now, True       # no round-trip sample from it (Karn's rule)
+            st.probe[a] = c
+            st.waiting_for[c] = WS.ASKED                  # a STATUS answering it is no spurious resend (R-C4)
+            st.tail_armed[a] -= 1
+            self._tail_out[a] = True
+            self._tail_column[a] = c
+            st.cols[n + k] = c
+            k += 1
+            self.probes += 1
+            self.tail_probes += 1
+        return k
 
     def _check_silence(self, now: float) -> None:
         """R-L7: an aggregator that answered nothing for `silence` seconds while columns wait for it is
@@ -488,6 +540,28 @@ class AllreduceMachine:
         """Whether aggregator a answered its probe, and what that says (see judge_probes)."""
         st = self.st
         p = st.probe[a]
+        if self._tail_out[a]:
+            # R-L8: answered by a STATUS (the aggregator waits for another rank: nothing backs off) or by
+            # the round's RESULT: the aggregator is there, and had been quiet for two round trips and
+            # the reordering window, so every round still in flight to it that was sent no later than
+            # the probed one is overdue (RACK's rule, RFC 8985, section 6.2, step 5): lost, resent at
+            # once (a round the aggregator had said it holds is asked after: its RESULT may be what
+            # was lost)
+            if st.waiting_for[p] >= 0:
+                st.probe[a] = -1
+                self._tail_out[a] = False
+            elif st.round_block[p] == P.END or not np.isfinite(st.deadline[p]) or st.ready[p]:
+                st.probe[a] = -1
+                self._tail_out[a] = False
+                st.waiting_for[p] = 0
+                cols = self.columns_of[a]
+                lost = cols[(st.round_block[cols] != P.END) & np.isfinite(st.deadline[cols])
+                            & (st.sent_at[cols] <= self._tail_sent[a])]
+                if len(lost):
+                    st.deadline[lost] = np.minimum(st.deadline[lost], now)
+                    st.waiting_for[lost[st.status_seen[lost]]] = WS.ASKED
+                    st.loss_confirmed[a] = True
+            return
         if st.waiting_for[p] >= 0:
             # The aggregator holds our entry and waits for others
             st.probe[a] = -1

@@ -33,10 +33,12 @@ class WorkerState(NamedTuple):
     #                            (Karn's rule), and its result does not say what was delivered (R-C4)
     ready_at: np.ndarray       # float64 [S]: when the round could first be sent: its previous result
     #                            arrived (the allreduce's start for the bootstrap; R-C4)
-    waiting_for: np.ndarray    # int64 [S]: bitmap of the last STATUS (ranks heard), -1: probe pending
+    waiting_for: np.ndarray    # int64 [S]: bitmap of the last STATUS (ranks heard), -1: probe pending,
+    #                            ASKED: resent to ask after a round the aggregator had said it holds (R-C4, R-L8)
     status_seen: np.ndarray    # bool [S]
     probe: np.ndarray          # int64 [A]: the column sent alone to test for loss (R-L2), -1: none
     loss_confirmed: np.ndarray  # bool [A]
+    tail_armed: np.ndarray     # int64 [A]: the tail probes left until the aggregator's next RESULT (R-L8)
     last_heard: np.ndarray     # float64 [A]
     slots_used: np.ndarray     # int64 [A]
     allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
@@ -59,7 +61,7 @@ class WorkerState(NamedTuple):
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_DELIVERED_SENT, F_EPOCH_START, F_EPOCH_MIN,
  F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
  F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
- F_HOST_WAIT_AT, F_OTHER_QUEUE, F_DELIVERED_READY) = range(35)
+ F_HOST_WAIT_AT, F_OTHER_QUEUE, F_DELIVERED_READY, F_TAIL_PTO) = range(36)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
@@ -68,6 +70,10 @@ class WorkerState(NamedTuple):
  I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED) = range(35)
 N_I = I_QUEUED + 1
 N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
+# WorkerState.waiting_for of a round resent although a STATUS had said that the aggregator holds it: its
+# RESULT may have been lost (R-C4, R-L8); a STATUS that answers it is no spurious retransmission
+ASKED = -2
+TAIL_PROBES = 2     # R-L8: per quiet spell of an aggregator: the round sent last, then the first
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
@@ -83,7 +89,8 @@ N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
 # I_COMPETITIVE: drains that must find the queue empty before the path's delay target counts again (0: it
 # does; R-C8);
 # I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT, and
-# F_DELIVERED_READY when it could first be sent (its ready_at; R-C4)
+# F_DELIVERED_READY when it could first be sent (its ready_at; R-C4); F_TAIL_PTO: how long an aggregator
+# may be quiet before a tail probe goes out (R-L8; inf: none), as of the last flush
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")

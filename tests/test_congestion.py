@@ -430,20 +430,41 @@ def _no_window_in_flight(columns=8):
 def test_without_a_window_every_column_is_judged_and_nothing_is_cut():
     """R-C4 without the congestion window: a round sent more than the reordering window before one that
     completed is lost, in any column (no rank holds one back, so the delivered round's column bounds
-    nothing), and nothing is cut; a round the aggregator said it holds waits for another rank's entry.
-    Before, loss waited there for the timers of R-L1 (2 % loss: 19.6 s for a 0.06 s allreduce)."""
+    nothing), and nothing is cut. Before, loss waited there for the timers of R-L1 (2 % loss: 19.6 s for
+    a 0.06 s allreduce)."""
     m, st = _no_window_in_flight()
     st.sent_at[:] = 1.0
     st.sent_at[7] = 1.02                                  # column 7: sent 20 ms after the others, and complete
-    st.status_seen[5] = True                              # column 5: the aggregator holds its entry
     _deliver_and_detect(m, st, 7, 1.021)                  # the least round trip is measured without the window
     assert st.f[WS.F_MIN_RTT] == pytest.approx(0.001) and st.i[WS.I_DELIVERED_COLUMN] == 7
     st.i[WS.I_DELIVERED_COLUMN] = 2                       # a reference in a low column bounds nothing either
     st.deadline[:7] = 2.0
     CC.detect_loss(st, 1.021)
-    lost = [0, 1, 2, 3, 4, 6]
-    assert (st.deadline[lost] == 1.021).all() and st.deadline[5] == 2.0 and st.loss_confirmed[0]
+    assert (st.deadline[:7] == 1.021).all() and st.loss_confirmed[0]
     assert m.window_cuts == (0, 0) and m.window_columns == 8
+
+
+def test_a_round_the_aggregator_said_it_holds_is_judged_too_and_its_status_is_no_spurious_resend():
+    """R-C4: a STATUS said that the aggregator held this worker's entry; a round sent after it completed,
+    so the held round completed too (its RESULT to this worker lost: only this worker can ask for it) or
+    another rank lost its entry. It is resent as asked (ASKED), and a STATUS that answers it is not
+    counted as a spurious retransmission (that would widen the reordering window with the congestion
+    window). Not judged, such rounds waited for their timers, backed off to a second by the STATUS: at
+    2 % loss on loopback, allreduces of 3-5 s where most took 0.5 s."""
+    m, st = _no_window_in_flight()
+    st.sent_at[:] = 1.0
+    st.sent_at[7] = 1.02
+    st.status_seen[5] = True                              # column 5: the aggregator said it holds its entry
+    st.deadline[:7] = 2.0
+    _deliver_and_detect(m, st, 7, 1.021)
+    assert (st.deadline[:7] == 1.021).all() and st.waiting_for[5] == WS.ASKED and st.waiting_for[4] == 0
+    ent = P.entries_array(2)
+    ent[0] = (5, 0, 0, 0b01, P.NO_EXP, P.NO_EXP)           # the STATUS of column 5's round (block 0): only
+    ent[1] = (4, 0, 0, 0b01, P.NO_EXP, P.NO_EXP)           # rank 0 heard; and of column 4's, not asked after
+    hdr = P.Header(P.STATUS, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
+    status = np.frombuffer(P.encode(hdr, ent), np.uint8)
+    assert K.receive_one(st, status, len(status), 0, 1.03, False) == K.APPLIED
+    assert m.spurious_entries == 1 and st.waiting_for[5] == st.waiting_for[4] == 0b01
 
 
 def test_a_retransmission_is_judged_by_when_it_was_resent_and_its_result_marks_nothing_delivered():
@@ -750,7 +771,8 @@ def test_finds_a_slow_links_rate_without_loss():
 def test_a_queue_shorter_than_the_delay_target_is_found_by_loss():
     """A switch-like queue of 20 kB (3 ms at 50 Mbit/s, under the 5 ms target): the window finds the rate
     by losses (R-C4, detected without a timer once the reordering window has passed) and stays within 2x
-    the best fixed window, where no window at all takes a hundred times longer. (What closes the rest
+    the best fixed window, where no window at all takes several times longer (4.4 times; over 20 times
+    before tail probes, R-L8, and RACK's judging rounds a STATUS said were held). (What closes the rest
     of the gap is ECN, which marks the queue before it drops.)"""
     arrays = dense()
     link = dict(rate=50 * MBIT, delay=1e-4, queue=20_000)
@@ -761,7 +783,7 @@ def test_a_queue_shorter_than_the_delay_target_is_found_by_loss():
     assert sum(m.retransmitted for m in auto.machines) < 0.05 * entries_sent(auto)
     best = min(run_timed(arrays, window=w, congestion=False, **link).finished for w in (8_000, 16_000, 32_000))
     assert auto.finished <= 2 * best
-    assert run_timed(arrays, window=None, until=120, **link).finished > 20 * auto.finished
+    assert run_timed(arrays, window=None, until=120, **link).finished > 3 * auto.finished
 
 
 def test_follows_a_rate_that_halves_mid_run():
