@@ -256,12 +256,14 @@ def detect_loss(st, now):
         if since <= sent_at[c] < before and ready_at[c] <= f[F_DELIVERED_READY] and rb[c] != END and rb[c] != BOOT \
                 and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
+            st.loss_confirmed[c % A] = True
             if status_seen[c]:
                 # the aggregator had said it holds this round: a rank's entry is lost (that rank resends
-                # it), or the round completed and its RESULT to this worker is: only this worker can ask
+                # it, and its window answers for its path), or the round completed and its RESULT to this
+                # worker is: only this worker can ask, and it is no evidence against this worker's path
                 waiting_for[c] = ASKED
-            st.loss_confirmed[c % A] = True
-            lost = True
+            else:
+                lost = True
     if lost:
         st.i[I_REO_CLEAN] += 1
         if st.i[I_REO_CLEAN] >= REORDER_RESET:

@@ -461,7 +461,9 @@ class AllreduceMachine:
                     self._probed_expired[a] = (waited, st.round_block[waited].copy())
                     self.probes += 1
             elif st.allow[a] == S and taken_from[a]:
-                CC.on_loss(st, now)                            # R-C4
+                taken = st.cols[:n][st.cols[:n] % A == a]
+                if (st.waiting_for[taken] != WS.ASKED).any():
+                    CC.on_loss(st, now)       # R-C4 (rounds only asked after are no evidence against the path)
                 self.retransmitted += int(taken_from[a])
                 self._tail_out[a] = False
                 st.probe[a] = -1

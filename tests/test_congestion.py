@@ -259,6 +259,26 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
     assert st.i[WS.I_REO_MULT] == 1 and st.i[WS.I_REO_CLEAN] == 0
 
 
+def test_a_held_round_judged_lost_is_asked_after_without_a_cut():
+    """R-C4 with the congestion window: a round a STATUS said the aggregator holds, judged lost, is
+    resent (its RESULT may be what was lost), but cuts nothing: the entry another rank lost is that
+    rank's path's loss, and a RESULT lost on the way back says nothing the resend will not (RFC 8985's
+    rule cuts for losses of this sender's own segments). A round judged lost that was not held cuts."""
+    m, st = rounds_in_flight(1.0, 1.001, 1.007)
+    st.f[WS.F_LAST_PROGRESS] = 1.0
+    st.status_seen[:2] = True
+    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.008, 2
+    CC.detect_loss(st, 1.01)
+    assert (st.deadline[:2] == 1.01).all() and st.loss_confirmed[0] and m.window_cuts == (0, 0)
+    assert (st.waiting_for[:2] == WS.ASKED).all()
+    sent = m.poll(1.01)                                              # resent, and still no cut
+    assert m.retransmitted == 2 and len(sent) == 1 and m.window_cuts == (0, 0)
+    st.status_seen[2] = False
+    st.f[WS.F_DELIVERED_SENT] = 1.02
+    CC.detect_loss(st, 1.021)                                        # column 2's round, not held: a cut
+    assert st.deadline[2] == 1.021 and m.window_cuts == (0, 1)
+
+
 def test_the_reordering_window_covers_the_longest_wait_of_a_result_in_this_workers_socket():
     """R-C4: a result read 12 ms after it arrived says this host's ranks run that far behind: a round
     8 ms older than a delivered one is not lost yet; the wait fades by half per half-life, and then it is."""

@@ -35,9 +35,18 @@ def _machines(world=2, n=64, path=PATH, max_entries=0xFFFF, xs_of=None):
     return agg, ms, xs
 
 
-def _ends_a_column(datagram) -> bool:
-    d = P.decode(datagram)
-    return d.header.type == P.RESULT and bool((d.next == P.END).any())
+def _lose_the_first_result_that_ends_a_column(to_rank):
+    """A `drop` for _run that loses the first RESULT to `to_rank` that ends a column; and the list
+    that receives what it lost."""
+    dropped = []
+
+    def drop(rank, datagram):
+        d = P.decode(datagram)
+        if rank == to_rank and not dropped and d.header.type == P.RESULT and (d.next == P.END).any():
+            dropped.append(datagram)
+            return True
+        return False
+    return drop, dropped
 
 
 def _run(agg, ms, now=0.0, drop=lambda rank, datagram: False, until=10.0):
@@ -74,13 +83,7 @@ def test_a_lost_last_result_is_asked_for_after_the_tail_probes_timeout_not_the_r
     rounds sent with it, overdue as well, are asked for at once (one by one, each after another quiet
     spell, the allreduce took 8 tail probes' timeouts)."""
     agg, ms, xs = _machines()
-    dropped = []
-
-    def drop(rank, datagram):
-        if rank == 0 and not dropped and _ends_a_column(datagram):
-            dropped.append(datagram)
-            return True
-        return False
+    drop, dropped = _lose_the_first_result_that_ends_a_column(0)
     end = _run(agg, ms, drop=drop)
     assert dropped and _exact(ms, xs)
     # everything else happened at 0.0; two round trips (of under 2 ms: srtt fell with the zero round
@@ -94,13 +97,7 @@ def test_no_tail_probe_before_a_round_trip_was_measured():
     a first allreduce of one round per column after the bootstrap (which gives no sample) whose RESULT
     is lost waits for R-L1's first timeout and R-L2's probe, as before."""
     agg, ms, xs = _machines(path=None, n=32)
-    dropped = []
-
-    def drop(rank, datagram):
-        if rank == 0 and not dropped and _ends_a_column(datagram):
-            dropped.append(datagram)
-            return True
-        return False
+    drop, dropped = _lose_the_first_result_that_ends_a_column(0)
     end = _run(agg, ms, drop=drop)
     assert dropped and _exact(ms, xs)
     assert ms[0].tail_probes == 0 and ms[0].probes == 1 and end >= 0.2
