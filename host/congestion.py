@@ -252,9 +252,12 @@ def detect_loss(st, now):
     S = rb.shape[0]
     no_window = not st.i[I_CONGESTION] and st.i[I_WINDOW] >= S
     judged = S if no_window else min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)
+    # a round the aggregator said it holds waits, if for an entry another rank lost, for that rank to
+    # find the loss as this worker does and resend it: one round trip more before it is asked after
+    held_before = before - f[F_SRTT]
     for c in range(judged):
-        if since <= sent_at[c] < before and ready_at[c] <= f[F_DELIVERED_READY] and rb[c] != END and rb[c] != BOOT \
-                and not ready[c]:
+        if since <= sent_at[c] < (held_before if status_seen[c] else before) and ready_at[c] <= f[F_DELIVERED_READY] \
+                and rb[c] != END and rb[c] != BOOT and not ready[c]:
             deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
             st.loss_confirmed[c % A] = True
             if status_seen[c]:

@@ -259,22 +259,27 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
     assert st.i[WS.I_REO_MULT] == 1 and st.i[WS.I_REO_CLEAN] == 0
 
 
-def test_a_held_round_judged_lost_is_asked_after_without_a_cut():
-    """R-C4 with the congestion window: a round a STATUS said the aggregator holds, judged lost, is
-    resent (its RESULT may be what was lost), but cuts nothing: the entry another rank lost is that
-    rank's path's loss, and a RESULT lost on the way back says nothing the resend will not (RFC 8985's
-    rule cuts for losses of this sender's own segments). A round judged lost that was not held cuts."""
-    m, st = rounds_in_flight(1.0, 1.001, 1.007)
+def test_a_held_round_is_judged_a_round_trip_later_and_asked_after_without_a_cut():
+    """R-C4 with the congestion window: a round a STATUS said the aggregator holds is judged lost one
+    smoothed round trip later than another round (if another rank lost its entry, that rank finds the
+    loss as this worker does, and its resend takes a round trip), then resent (its RESULT may be what was
+    lost), but it cuts nothing: the entry another rank lost is that rank's path's loss, and a RESULT lost
+    on the way back says nothing the resend will not (RFC 8985's rule cuts for losses of this sender's
+    own segments). A round judged lost that was not held cuts."""
+    m, st = rounds_in_flight(1.0, 1.001, 1.007)                     # srtt 10 ms, reordering window 5 ms
     st.f[WS.F_LAST_PROGRESS] = 1.0
     st.status_seen[:2] = True
     st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.008, 2
-    CC.detect_loss(st, 1.01)
-    assert (st.deadline[:2] == 1.01).all() and st.loss_confirmed[0] and m.window_cuts == (0, 0)
+    CC.detect_loss(st, 1.01)                                         # lost if not held: not yet
+    assert (st.deadline[:2] == 2.0).all() and not st.loss_confirmed[0]
+    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.0165, 1    # (column 2 not judged: R-L6)
+    CC.detect_loss(st, 1.02)
+    assert (st.deadline[:2] == 1.02).all() and st.loss_confirmed[0] and m.window_cuts == (0, 0)
     assert (st.waiting_for[:2] == WS.ASKED).all()
-    sent = m.poll(1.01)                                              # resent, and still no cut
+    sent = m.poll(1.02)                                              # resent, and still no cut
     assert m.retransmitted == 2 and len(sent) == 1 and m.window_cuts == (0, 0)
     st.status_seen[2] = False
-    st.f[WS.F_DELIVERED_SENT] = 1.02
+    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.013, 2
     CC.detect_loss(st, 1.021)                                        # column 2's round, not held: a cut
     assert st.deadline[2] == 1.021 and m.window_cuts == (0, 1)
 
