@@ -224,9 +224,9 @@ def detect_loss(st, now):
     shared cores send their entries milliseconds apart: the window must cover that skew, or every late
     rank looks like a loss. A retransmission is judged by when it was sent, so one lost again is found
     the same way (RFC 8985 keeps the latest transmission's time). A round the aggregator said it holds
-    (STATUS) is judged too: it waits for an entry another rank lost, or it completed and its RESULT to
-    this worker was lost, which only this worker can ask for (its STATUS answer then counts as no
-    spurious retransmission: ASKED)."""
+    (STATUS) is judged too, a smoothed round trip later: it waits for an entry another rank lost, or it
+    completed and its RESULT to this worker was lost, which only this worker can ask for (resent as
+    ASKED: its STATUS answer is no spurious retransmission, and it cuts no window)."""
     f = st.f
     if f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
         return
