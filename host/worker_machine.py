@@ -450,8 +450,8 @@ class AllreduceMachine:
         if n + tails == 0:
             return []
         for a in range(A):
+            taken = st.cols[:n][st.cols[:n] % A == a]
             if st.allow[a] == 1:
-                taken = st.cols[:n][st.cols[:n] % A == a]
                 if len(taken):
                     self._tail_out[a] = False
                     st.probe[a] = taken[0]
@@ -460,11 +460,10 @@ class AllreduceMachine:
                     waited = cols[expired[cols] & (cols != taken[0])]
                     self._probed_expired[a] = (waited, st.round_block[waited].copy())
                     self.probes += 1
-            elif st.allow[a] == S and taken_from[a]:
-                taken = st.cols[:n][st.cols[:n] % A == a]
+            elif st.allow[a] == S and len(taken):
                 if (st.waiting_for[taken] != WS.ASKED).any():
                     CC.on_loss(st, now)       # R-C4 (rounds only asked after are no evidence against the path)
-                self.retransmitted += int(taken_from[a])
+                self.retransmitted += len(taken)
                 self._tail_out[a] = False
                 st.probe[a] = -1
                 st.loss_confirmed[a] = False
@@ -542,44 +541,45 @@ class AllreduceMachine:
         """Whether aggregator a answered its probe, and what that says (see judge_probes)."""
         st = self.st
         p = st.probe[a]
-        if self._tail_out[a]:
-            # R-L8: answered by a STATUS (the aggregator waits for another rank: nothing backs off) or by
-            # the round's RESULT: the aggregator is there, and had been quiet for two round trips and
-            # the reordering window, so every round still in flight to it that was sent no later than
-            # the probed one is overdue (RACK's rule, RFC 8985, section 6.2, step 5): lost, resent at
-            # once (a round the aggregator had said it holds is asked after: its RESULT may be what
-            # was lost)
-            if st.waiting_for[p] >= 0:
-                st.probe[a] = -1
-                self._tail_out[a] = False
-            elif st.round_block[p] == P.END or not np.isfinite(st.deadline[p]) or st.ready[p]:
-                st.probe[a] = -1
-                self._tail_out[a] = False
-                st.waiting_for[p] = 0
-                cols = self.columns_of[a]
-                lost = cols[(st.round_block[cols] != P.END) & np.isfinite(st.deadline[cols])
-                            & (st.sent_at[cols] <= self._tail_sent[a])]
-                if len(lost):
-                    st.deadline[lost] = np.minimum(st.deadline[lost], now)
-                    st.waiting_for[lost[st.status_seen[lost]]] = WS.ASKED
-                    st.loss_confirmed[a] = True
-            return
+        tail = self._tail_out[a]
         if st.waiting_for[p] >= 0:
-            # The aggregator holds our entry and waits for others
+            # The aggregator holds our entry and waits for others (after a tail probe, R-L8, nothing backs
+            # off: the tail probe asked, and another rank's loss is what keeps it waiting)
             st.probe[a] = -1
-            self._back_off(a, now)
+            self._tail_out[a] = False
+            if not tail:
+                self._back_off(a, now)
         elif st.round_block[p] == P.END or not np.isfinite(st.deadline[p]) or st.ready[p]:
+            st.probe[a] = -1
+            self._tail_out[a] = False
+            if tail:
+                st.waiting_for[p] = 0
+                self._overdue_after_tail_probe(a, now)
+                return
             # The probe's round completed. A loss if other columns of this aggregator are still expired
             # without a result; none when the probe merely crossed the RESULT of its round, and none when a
             # column that had expired with it completed since without being resent: the aggregator had
             # that entry, and its rounds waited for a slower rank, as the probe's may have (F-RTO's test of
             # a timeout, RFC 5682, section 2.1: new data acknowledged that was not retransmitted).
-            st.probe[a] = -1
             waited, rounds = self._probed_expired[a]
             if ((st.round_block[waited] != rounds) | st.ready[waited]).any():
                 self._back_off(a, now)
                 return
             st.loss_confirmed[a] = bool(self._expired(now)[self.columns_of[a]].any())
+
+    def _overdue_after_tail_probe(self, a: int, now: float) -> None:
+        """R-L8: a tail probe's round got its RESULT: the aggregator is there, and had been quiet for two
+        round trips and the reordering window, so every round still in flight to it that was sent no later
+        than the probed one is overdue (RACK's rule, RFC 8985, section 6.2, step 5): lost, resent at once
+        (a round the aggregator had said it holds is asked after: its RESULT may be what was lost)."""
+        st = self.st
+        cols = self.columns_of[a]
+        lost = cols[(st.round_block[cols] != P.END) & np.isfinite(st.deadline[cols])
+                    & (st.sent_at[cols] <= self._tail_sent[a])]
+        if len(lost):
+            st.deadline[lost] = np.minimum(st.deadline[lost], now)
+            st.waiting_for[lost[st.status_seen[lost]]] = WS.ASKED
+            st.loss_confirmed[a] = True
 
     def _expired(self, now: float) -> np.ndarray:
         """Per column: its round is in flight without a result and its timer has expired."""
