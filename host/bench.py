@@ -54,7 +54,7 @@ def _meter(w) -> dict:
     return {"cpu_s": ru.ru_utime + ru.ru_stime, "datagrams": s.datagrams_sent + s.datagrams_received,
             "retransmitted_entries": s.retransmitted_entries, "bytes_sent": s.bytes_sent,
             # what resent them: probes confirming losses (R-L2) or RACK (R-C4); how many were spurious
-            "probes": s.probes, "spurious_entries": s.spurious_entries,
+            "probes": s.probes, "tail_probes": s.tail_probes, "spurious_entries": s.spurious_entries,
             "delay_cuts": s.window_cuts[0], "loss_cuts": s.window_cuts[1]}
 
 
@@ -305,7 +305,7 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         "retransmitted_entries": sum(t.get("retransmitted_entries", 0) for t in timed),
         # per rank, in the timed allreduces: the congestion window's view of them (R-L2, R-C3, R-C4)
         "recovery": [{k: int(t.get(k, 0)) for k in ("retransmitted_entries", "spurious_entries", "probes",
-                                                     "delay_cuts", "loss_cuts")} for t in timed],
+                                                     "tail_probes", "delay_cuts", "loss_cuts")} for t in timed],
         "warmup_retransmitted_entries": sum(t.get("retransmitted_entries", 0) for t in warm),
         # Per allreduce: CPU seconds and datagrams (sent + received) of one worker process (the mean)...
         "worker_cpu_s": wcpu / world / rounds, "worker_datagrams": wdg / world / rounds,
@@ -393,7 +393,7 @@ def recovery_summary(results: Mapping) -> str | None:
             total = {k: sum(x[k] for x in ranks) for k in ranks[0]}
             lines.append(f"{r['workers']} workers, density {r['density']:g}: {total['retransmitted_entries']:,} "
                          f"entries resent, {total['spurious_entries']:,} of them held already (spurious); "
-                         f"{total['probes']:,} probes; window cuts {total['delay_cuts']} for delay, "
+                         f"{total['probes']:,} probes ({total.get('tail_probes', 0):,} of them tail probes); window cuts {total['delay_cuts']} for delay, "
                          f"{total['loss_cuts']} for loss")
     return "\n".join(lines) if lines else None
 

@@ -43,8 +43,8 @@ from .worker_state import (
     D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR,
     F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT,
     I_COLLECT, I_CONGESTION, I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT,
-    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SOURCE_N, I_STAMP,
-    I_VIOLATION, I_WINDOW, TAIL_PROBES, WorkerState)
+    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N,
+    I_STAMP, I_VIOLATION, I_WINDOW, TAIL_PROBES, WorkerState)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -638,12 +638,12 @@ def tail_candidates(st, probe_of):
     last, with one left the one sent first."""
     probe_of[:] = -1
     A = probe_of.shape[0]
-    round_block, deadline, sent_at, armed = st.round_block, st.deadline, st.sent_at, st.tail_armed
+    round_block, deadline, order, armed = st.round_block, st.deadline, st.sent_order, st.tail_armed
     for c in range(round_block.shape[0]):
         if round_block[c] != END and deadline[c] < np.inf:
             a = c % A
             p = probe_of[a]
-            if p < 0 or (sent_at[c] > sent_at[p] if armed[a] == TAIL_PROBES else sent_at[c] < sent_at[p]):
+            if p < 0 or (order[c] > order[p] if armed[a] == TAIL_PROBES else order[c] < order[p]):
                 probe_of[a] = c
 
 
@@ -793,6 +793,11 @@ def encode_columns(st, ncols):
                      st.i[I_MAX_ENTRIES])
     if nd:
         st.i[I_BYTES_SENT] += st.cuts[nd - 1, 2]
+    # (after encode_data, which left st.cols[:ncols] in the order the entries went on the wire)
+    first = st.i[I_SENT_ENTRIES]
+    for t in range(ncols):
+        st.sent_order[st.cols[t]] = first + t
+    st.i[I_SENT_ENTRIES] = first + ncols
     return nd
 
 
@@ -844,7 +849,7 @@ def _raw_state(st):
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
-        T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
+        T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
         T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard), T.raw(st.slots_used),
         T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
         T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))

@@ -220,7 +220,8 @@ class AllreduceMachine:
             round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
             mine_pos=starts[:-1].copy(), col_stop=starts[1:].copy(), seq=seq, seq_exp=seq_exp, seq_row=seq_row,
             src=source.values, ready=np.zeros(S, bool), queue=np.zeros(S, np.int64), deadline=np.full(S, np.inf),
-            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), resent=np.zeros(S, bool),
+            rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), sent_order=np.zeros(S, np.int64),
+            resent=np.zeros(S, bool),
             ready_at=np.zeros(S), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             tail_armed=np.zeros(A, np.int64),
@@ -267,11 +268,12 @@ class AllreduceMachine:
         self.probes = 0           # R-L2's probes and R-L8's tail probes
         self.tail_probes = 0
         self.retransmitted = 0
-        # per aggregator: the probe out is a tail probe (R-L8); the column it resent, and when that
-        # column's round had last been sent before
+        # per aggregator: the probe out is a tail probe (R-L8); the column it resent, that round's place
+        # in the sending order before (sent_order), and when it could first be sent (ready_at)
         self._tail_out = np.zeros(A, bool)
         self._tail_column = np.full(A, -1, np.int64)
-        self._tail_sent = np.zeros(A)
+        self._tail_order = np.zeros(A, np.int64)
+        self._tail_ready = np.zeros(A)
         self._tail_probe_of = np.empty(A, np.int64)   # scratch for kernels.tail_candidates
         # per aggregator, the other columns whose timers had expired when its probe went out, and their
         # rounds then (probe_answered: did any of them complete without being resent?)
@@ -474,8 +476,8 @@ class AllreduceMachine:
         while rounds this worker sent it await their results, with nothing of it expired or probed now,
         is sent the entry of one round in flight, as it was, after st.cols[:n]: lost rounds that no later
         round reveals (R-C4) end an allreduce, and R-L1's timer, backed off by every retransmission, is no
-        quicker than 50 ms. First the round sent last: a RESULT answer says that every round sent no later
-        than it is overdue (probe_answered). If a STATUS answers it (the aggregator holds it and waits for
+        quicker than 50 ms. First the round sent last (in the sending order): a RESULT answer says that every
+        round sent before it is overdue (probe_answered). If a STATUS answers it (the aggregator holds it and waits for
         another rank), the round sent first: a round that a STATUS said held may have completed since with
         its RESULT to this worker lost, which no other rank can ask for. Then none until the aggregator's
         next RESULT. Nothing backs off. Returns how many went out."""
@@ -494,7 +496,7 @@ class AllreduceMachine:
             if st.tail_armed[a] < WS.TAIL_PROBES and c == self._tail_column[a]:
                 st.tail_armed[a] = 0                      # the round sent first is the one just asked after
                 continue
-            self._tail_sent[a] = st.sent_at[c]
+            self._tail_order[a], self._tail_ready[a] = st.sent_order[c], st.ready_at[c]
             st.sent_at[c], st.resent[c] = now, True       # no round-trip sample from it (Karn's rule)
             st.probe[a] = c
             st.waiting_for[c] = WS.ASKED                  # a STATUS answering it is no spurious resend (R-C4)
@@ -569,13 +571,18 @@ class AllreduceMachine:
 
     def _overdue_after_tail_probe(self, a: int, now: float) -> None:
         """R-L8: a tail probe's round got its RESULT: the aggregator is there, and had been quiet for two
-        round trips and the reordering window, so every round still in flight to it that was sent no later
-        than the probed one is overdue (RACK's rule, RFC 8985, section 6.2, step 5): lost, resent at once
-        (a round the aggregator had said it holds is asked after: its RESULT may be what was lost)."""
+        round trips and the reordering window, so every round still in flight to it that was sent before
+        the probed one, and could be sent no later, is overdue (RACK's rule, RFC 8985, section 6.2, step 5;
+        R-C4's for a round that became ready later): lost, resent at once (a round the aggregator had said
+        it holds is asked after: its RESULT may be what was lost). "Before" is the sending order, not the
+        send time: the rounds of one flush share their time, and every rank sends them in one order (R-A8),
+        so the probed round's completion says nothing of rounds sent after it in the same flush (taken as
+        lost, the dense bench's rounds waiting for a rank that stalled 41 ms were resent, 1,924 entries on
+        each of three ranks, all held)."""
         st = self.st
         cols = self.columns_of[a]
         lost = cols[(st.round_block[cols] != P.END) & np.isfinite(st.deadline[cols])
-                    & (st.sent_at[cols] <= self._tail_sent[a])]
+                    & (st.sent_order[cols] < self._tail_order[a]) & (st.ready_at[cols] <= self._tail_ready[a])]
         if len(lost):
             st.deadline[lost] = np.minimum(st.deadline[lost], now)
             st.waiting_for[lost[st.status_seen[lost]]] = WS.ASKED

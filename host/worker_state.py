@@ -29,6 +29,8 @@ class WorkerState(NamedTuple):
     deadline: np.ndarray       # float64 [S]: retransmission timers (R-L1)
     rto: np.ndarray            # float64 [S]
     sent_at: np.ndarray        # float64 [S]: the round's latest transmission (NaN: not sent yet)
+    sent_order: np.ndarray     # int64 [S]: that transmission's place in this worker's sending order (the
+    #                            rounds of one flush share sent_at; R-L8 must know which went first)
     resent: np.ndarray         # bool [S]: the round was retransmitted: no round-trip sample from it
     #                            (Karn's rule), and its result does not say what was delivered (R-C4)
     ready_at: np.ndarray       # float64 [S]: when the round could first be sent: its previous result
@@ -67,8 +69,8 @@ class WorkerState(NamedTuple):
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
  I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
- I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED) = range(35)
-N_I = I_QUEUED + 1
+ I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED, I_SENT_ENTRIES) = range(36)
+N_I = I_SENT_ENTRIES + 1
 N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
 # WorkerState.waiting_for of a round resent although a STATUS had said that the aggregator holds it: its
 # RESULT may have been lost (R-C4, R-L8); a STATUS that answers it is no spurious retransmission
@@ -89,7 +91,8 @@ TAIL_PROBES = 2     # R-L8: per quiet spell of an aggregator: the round sent las
 # I_COMPETITIVE: drains that must find the queue empty before the path's delay target counts again (0: it
 # does; R-C8);
 # I_DRAINS: drains so far; I_DELIVERED_COLUMN: the column of the round sent at F_DELIVERED_SENT, and
-# F_DELIVERED_READY when it could first be sent (its ready_at; R-C4); F_TAIL_PTO: how long an aggregator
+# F_DELIVERED_READY when it could first be sent (its ready_at; R-C4); I_SENT_ENTRIES: entries sent so far
+# (sent_order's counter); F_TAIL_PTO: how long an aggregator
 # may be quiet before a tail probe goes out (R-L8; inf: none), as of the last flush
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",

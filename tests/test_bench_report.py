@@ -100,24 +100,24 @@ def test_retransmissions_are_per_row_not_running_totals():
 def test_recovery_is_per_rank_in_the_timed_rounds_and_summed_in_the_summary():
     """What the congestion window made of the row's retransmissions: each rank's counters over the timed
     allreduces only (the warm-up's spurious entry is left out), and one line per row that resent any."""
-    def at(retx, spurious, probes, delay, loss):
-        return {**mark(0.0, 0, retx, 0), "spurious_entries": spurious, "probes": probes, "delay_cuts": delay,
-                "loss_cuts": loss}
+    def at(retx, spurious, probes, delay, loss, tail=0):
+        return {**mark(0.0, 0, retx, 0), "spurious_entries": spurious, "probes": probes, "tail_probes": tail,
+                "delay_cuts": delay, "loss_cuts": loss}
     ranks = [[(at(0, 0, 0, 0, 0), at(1, 1, 0, 1, 0)),               # warm-up
-              (at(1, 1, 0, 1, 0), at(4, 3, 1, 2, 1))],              # timed
+              (at(1, 1, 0, 1, 0), at(4, 3, 3, 2, 1, tail=1))],      # timed
              [(at(0, 0, 0, 0, 0), at(0, 0, 0, 0, 0)),
               (at(0, 0, 0, 0, 0), at(2, 2, 0, 0, 0))]]
     results = [{"zerosum_s": [0.5], "gloo_s": [], "digest": "d", "marks": m} for m in ranks]
     plan = {**PLAN, "rounds": 1}
     row = summarize_row(2, 1.0, plan, results, [{}], [{}])
-    assert row["recovery"] == [{"retransmitted_entries": 3, "spurious_entries": 2, "probes": 1, "delay_cuts": 1,
-                                "loss_cuts": 1},
-                               {"retransmitted_entries": 2, "spurious_entries": 2, "probes": 0, "delay_cuts": 0,
-                                "loss_cuts": 0}]
+    assert row["recovery"] == [{"retransmitted_entries": 3, "spurious_entries": 2, "probes": 3, "tail_probes": 1,
+                                "delay_cuts": 1, "loss_cuts": 1},
+                               {"retransmitted_entries": 2, "spurious_entries": 2, "probes": 0, "tail_probes": 0,
+                                "delay_cuts": 0, "loss_cuts": 0}]
     clean = {**row, "density": 0.01, "retransmitted_entries": 0}
     text = recovery_summary({"runs": [{"rows": [row, clean]}]})
-    assert text == ("2 workers, density 1: 5 entries resent, 4 of them held already (spurious); 1 probes; "
-                    "window cuts 1 for delay, 1 for loss")
+    assert text == ("2 workers, density 1: 5 entries resent, 4 of them held already (spurious); 3 probes (1 "
+                    "of them tail probes); window cuts 1 for delay, 1 for loss")
     assert recovery_summary({"runs": [{"rows": [clean]}]}) is None
 
 

@@ -189,3 +189,37 @@ def test_after_a_status_the_second_tail_probe_asks_for_the_round_sent_first():
         agg.receive(bytes(d), ("w", 1), second_at)
     _run(agg, [m0, m1], second_at, until=second_at + 0.2)
     assert _exact([m0, m1], xs)
+
+
+def test_a_tail_probe_asks_for_the_last_round_of_a_flush_and_the_rounds_sent_after_it_are_not_overdue():
+    """Rank 0 sends its three columns' rounds in one flush (one send time), rank 1 waits for a core.
+    The tail probe asks for the round that went out last, column 2's, whose STATUS says the aggregator
+    waits for rank 1. Before, the tie went to column 0, sent first: rank 1, back, delivered column 0's
+    entry just before the probe, whose RESULT then made columns 1 and 2, sent "no later", overdue, and
+    both were resent although the aggregator held them (the dense bench resent 1,924 entries on each of
+    three ranks so)."""
+    agg, (m0, m1), xs = _sparse_machines()
+    sent = m0.datagrams_to_send(0.001)
+    assert _columns(sent) == [0, 1, 2] and len(set(m0.st.sent_at[:3])) == 1
+    for _, d in sent:
+        agg.receive(bytes(d), ("w", 0), 0.001)
+    rank1 = m1.datagrams_to_send(0.001)                       # rank 1's entries wait in its host
+    assert _columns(rank1) == [0, 1, 2]
+    at = m0.timer()
+    probe = m0.datagrams_to_send(at)
+    assert _columns(probe) == [2] and m0.tail_probes == 1
+    agg.receive(bytes(rank1[0][1]), ("w", 1), at)             # rank 1 is back: column 0's arrives first
+    agg.receive(bytes(probe[0][1]), ("w", 0), at)
+    for dests, x in agg.datagrams_to_send(at):
+        for _, rank in dests:
+            (m0 if rank == 0 else m1).receive(0, x, at)
+    assert m0.round_block[0] == 8 and m0.st.status_seen[2]   # column 0 is past its round
+    nxt = m0.datagrams_to_send(at)
+    assert _columns(nxt) == [0] and m0.retransmitted == 0     # its next round; nothing overdue
+    for _, d in nxt:
+        agg.receive(bytes(d), ("w", 0), at)
+    for _, d in rank1[1:]:
+        agg.receive(bytes(d), ("w", 1), at)
+    _run(agg, [m0, m1], at, until=at + 0.2)
+    assert _exact([m0, m1], xs)
+    assert m0.retransmitted == 0 and m0.spurious_entries == 0 and m1.retransmitted == 0
