@@ -393,8 +393,8 @@ def recovery_summary(results: Mapping) -> str | None:
             total = {k: sum(x[k] for x in ranks) for k in ranks[0]}
             lines.append(f"{r['workers']} workers, density {r['density']:g}: {total['retransmitted_entries']:,} "
                          f"entries resent, {total['spurious_entries']:,} of them held already (spurious); "
-                         f"{total['probes']:,} probes ({total.get('tail_probes', 0):,} of them tail probes); window cuts {total['delay_cuts']} for delay, "
-                         f"{total['loss_cuts']} for loss")
+                         f"{total['probes']:,} probes ({total.get('tail_probes', 0):,} of them tail probes); "
+                         f"window cuts {total['delay_cuts']} for delay, {total['loss_cuts']} for loss")
     return "\n".join(lines) if lines else None
 
 

@@ -849,8 +849,8 @@ def _raw_state(st):
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
         T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
-        T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen), T.raw(st.probe),
-        T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard), T.raw(st.slots_used),
+        T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen),
+        T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard), T.raw(st.slots_used),
         T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
         T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 

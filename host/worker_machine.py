@@ -476,11 +476,11 @@ class AllreduceMachine:
         while rounds this worker sent it await their results, with nothing of it expired or probed now,
         is sent the entry of one round in flight, as it was, after st.cols[:n]: lost rounds that no later
         round reveals (R-C4) end an allreduce, and R-L1's timer, backed off by every retransmission, is no
-        quicker than 50 ms. First the round sent last (in the sending order): a RESULT answer says that every
-        round sent before it is overdue (probe_answered). If a STATUS answers it (the aggregator holds it and waits for
-        another rank), the round sent first: a round that a STATUS said held may have completed since with
-        its RESULT to this worker lost, which no other rank can ask for. Then none until the aggregator's
-        next RESULT. Nothing backs off. Returns how many went out."""
+        quicker than 50 ms. First the round sent last (in the sending order): a RESULT answer says that
+        every round sent before it is overdue (probe_answered). If a STATUS answers it (the aggregator
+        holds it and waits for another rank), the round sent first: a round that a STATUS said held may
+        have completed since with its RESULT to this worker lost, which no other rank can ask for. Then none
+        until the aggregator's next RESULT. Nothing backs off. Returns how many went out."""
         st = self.st
         pto = st.f[WS.F_TAIL_PTO]
         if not np.isfinite(pto):
