@@ -215,6 +215,18 @@ def tail_probe_timeout(st, now):
 
 
 @njit(**JIT)
+def judged_columns(st, delivered_column):
+    """How many columns, from column 0, loss detection may judge after a result of `delivered_column`
+    (R-C4, R-L8): only columns up to it, which every rank had admitted (R-L6: prefixes of one order),
+    while a column past it may be one that a rank with a smaller window has not sent yet; with no window
+    at all (every column admitted, none ever held back) a job's ranks admit every column."""
+    S = st.round_block.shape[0]
+    if not st.i[I_CONGESTION] and st.i[I_WINDOW] >= S:
+        return S
+    return min(st.i[I_ADMITTED], delivered_column + 1)
+
+
+@njit(**JIT)
 def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2), with or without the congestion
     window: a round last sent more than the reordering window (a quarter of the least round trip, at
@@ -246,12 +258,7 @@ def detect_loss(st, now):
     status_seen, waiting_for = st.status_seen, st.waiting_for
     A = st.probe.shape[0]
     lost = False
-    # only columns up to the delivered round's: every rank had admitted those (R-L6: prefixes of one
-    # order), while a column past it may be one that a rank with a smaller window has not sent yet; with
-    # no window at all (every column admitted, none ever held back) a job's ranks admit every column
-    S = rb.shape[0]
-    no_window = not st.i[I_CONGESTION] and st.i[I_WINDOW] >= S
-    judged = S if no_window else min(st.i[I_ADMITTED], st.i[I_DELIVERED_COLUMN] + 1)
+    judged = judged_columns(st, st.i[I_DELIVERED_COLUMN])
     # a round the aggregator said it holds waits, if for an entry another rank lost, for that rank to
     # find the loss as this worker does and resend it: one round trip more before it is asked after
     held_before = before - f[F_SRTT]

@@ -74,6 +74,7 @@ def warm_up() -> None:
             CC.update_rto(m.st)
             CC.on_loss(m.st, 0.0)
             K.tail_candidates(m.st, np.empty(1, np.int64))     # a tail probe (R-L8)
+            CC.judged_columns(m.st, np.int64(0))                # the rounds its RESULT makes overdue
             m.pacing
     _warm_up_transport(B)
     _done = True

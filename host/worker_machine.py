@@ -581,6 +581,9 @@ class AllreduceMachine:
         each of three ranks, all held)."""
         st = self.st
         cols = self.columns_of[a]
+        # (and, as R-C4, only columns up to the probed one where ranks' windows may differ: a column past
+        # it may not be admitted yet by a rank with a smaller window)
+        cols = cols[cols < CC.judged_columns(st, self._tail_column[a])]
         lost = cols[(st.round_block[cols] != P.END) & np.isfinite(st.deadline[cols])
                     & (st.sent_order[cols] < self._tail_order[a]) & (st.ready_at[cols] <= self._tail_ready[a])]
         if len(lost):

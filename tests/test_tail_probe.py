@@ -223,3 +223,67 @@ def test_a_tail_probe_asks_for_the_last_round_of_a_flush_and_the_rounds_sent_aft
     _run(agg, [m0, m1], at, until=at + 0.2)
     assert _exact([m0, m1], xs)
     assert m0.retransmitted == 0 and m0.spurious_entries == 0 and m1.retransmitted == 0
+
+
+def test_after_a_tail_probe_columns_past_the_probed_one_are_not_overdue_where_windows_differ():
+    """Fixed windows of 7 columns (rank 0) and 2 (rank 1). Rank 0 sends the first rounds of columns 0-6,
+    then the second rounds of columns 0 and 1; rank 1 only ever sends columns 0 and 1, the prefix its window
+    admits. The RESULT that ends columns 0 and 1 is lost to rank 0, and rank 1 waits for a core. Rank 0's
+    tail probe asks for column 1's round, sent last, and the shadow copy answers. Column 0 is overdue (sent
+    before it); columns 2-6, sent before it too, are not: rank 1's window has not admitted them (R-C4 judges
+    only columns up to the delivered one's, which every rank has admitted), and resent they would only be
+    held."""
+    entry = P.ENTRY_SIZE + 4 * B
+    agg = AggregatorMachine(1, 2, slots=8)
+    slots = join_all([agg], 2, B)
+    xs = [np.arange(1, 65, dtype=np.float32) * (r + 1) for r in range(2)]
+    ms = []
+    for r, window in enumerate((7, 2)):
+        src = BlockSource.dense(xs[r], B)
+        cfg = WorkerConfig(r, 2, 1, block_size=B, timeout=100.0, window=window * entry, congestion=False)
+        ms.append(AllreduceMachine(cfg, 1, src, Layout(1, slots, src.nblocks), DenseResult(np.zeros(64, np.float32)),
+                                   path=PATH))
+    m0, m1 = ms
+
+    def exchange(now, senders, lose_to_0=lambda d: False, to_1=True):
+        held1 = []
+        for r in senders:
+            for _, d in ms[r].datagrams_to_send(now):
+                agg.receive(bytes(d), ("w", r), now)
+        for dests, x in agg.datagrams_to_send(now):
+            for _, rank in dests:
+                if rank == 0 and not lose_to_0(P.decode(x)):
+                    m0.receive(0, x, now)
+                elif rank == 1:
+                    (m1.receive(0, x, now) if to_1 else held1.append(x))
+        return held1
+
+    for m in ms:
+        m.begin(0.0)
+    exchange(0.0, [0, 1])                                     # the bootstrap round
+    exchange(0.001, [0, 1])                                   # first rounds: 0-6 and 0-1; 0 and 1 complete
+    assert list(m0.round_block[:7]) == [8, 9, 2, 3, 4, 5, 6] and m0.st.ready[:2].all()
+    ends = lambda d: d.header.type == P.RESULT and (d.next == P.END).any()
+    held = exchange(0.002, [0, 1], lose_to_0=ends, to_1=False)   # second rounds of 0 and 1: they end
+    assert held and list(m0.round_block[:2]) == [8, 9]        # rank 0 has not heard
+    assert m0.st.sent_order[1] > m0.st.sent_order[2:7].max()
+    at = m0.timer()
+    probe = m0.datagrams_to_send(at)
+    assert _columns(probe) == [1] and m0.tail_probes == 1
+    agg.receive(bytes(probe[0][1]), ("w", 0), at)
+    for _, x in agg.datagrams_to_send(at):
+        assert P.decode(x).header.type == P.RESULT            # from the shadow copy
+        m0.receive(0, x, at)
+    # (the machine's datagrams are views into its buffer, valid until its next call)
+    admitted = [(a, bytes(d)) for a, d in m0.datagrams_to_send(at)]   # column 1 ended: the window takes 7
+    resent = [(a, bytes(d)) for a, d in m0.datagrams_to_send(at)]
+    assert _columns(admitted) == [7] and m0.retransmitted == len(_columns(resent))
+    assert _columns(resent) == [0]                            # column 0 only, asked after
+    for _, d in admitted + resent:
+        agg.receive(bytes(d), ("w", 0), at)
+    for _, x in agg.datagrams_to_send(at):
+        m0.receive(0, x, at)
+    for x in held:                                            # rank 1 is back
+        m1.receive(0, x, at)
+    _run(agg, ms, at, until=at + 1.0)
+    assert _exact(ms, xs) and m0.retransmitted == 1 and m0.spurious_entries == 0
