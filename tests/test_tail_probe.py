@@ -20,19 +20,27 @@ B = 4
 PATH = PathEstimate(srtt=0.002, rttvar=0.0005, cwnd=np.inf, ssthresh=np.inf, min_rtt=0.001)
 
 
-def _machines(world=2, n=64, path=PATH, max_entries=0xFFFF, xs_of=None):
+def _machines(world=2, n=64, path=PATH, max_entries=0xFFFF, xs_of=None, windows=None):
     """An aggregator with 8 slots and the ranks' machines, starting from `path`; each rank's input is
-    xs_of(rank) (default: 1..n times rank + 1)."""
+    xs_of(rank) (default: 1..n times rank + 1); `windows`: each rank's fixed window in columns (default:
+    none)."""
     agg = AggregatorMachine(1, world, slots=8)
     slots = join_all([agg], world, B)
     xs = [xs_of(r) if xs_of else np.arange(1, n + 1, dtype=np.float32) * (r + 1) for r in range(world)]
     ms = []
     for r, x in enumerate(xs):
         src = BlockSource.dense(x, B)
-        cfg = WorkerConfig(r, world, 1, block_size=B, timeout=100.0, max_entries=max_entries)
+        window = None if windows is None else windows[r] * (P.ENTRY_SIZE + 4 * B)
+        cfg = WorkerConfig(r, world, 1, block_size=B, timeout=100.0, max_entries=max_entries, window=window,
+                           congestion=windows is None)
         ms.append(AllreduceMachine(cfg, 1, src, Layout(1, slots, src.nblocks), DenseResult(np.zeros(n, np.float32)),
                                    path=path))
     return agg, ms, xs
+
+
+def _ends_a_column(d) -> bool:
+    """Whether decoded datagram d is a RESULT that ends a column."""
+    return d.header.type == P.RESULT and (d.next == P.END).any()
 
 
 def _lose_the_first_result_that_ends_a_column(to_rank):
@@ -41,8 +49,7 @@ def _lose_the_first_result_that_ends_a_column(to_rank):
     dropped = []
 
     def drop(rank, datagram):
-        d = P.decode(datagram)
-        if rank == to_rank and not dropped and d.header.type == P.RESULT and (d.next == P.END).any():
+        if rank == to_rank and not dropped and _ends_a_column(P.decode(datagram)):
             dropped.append(datagram)
             return True
         return False
@@ -233,16 +240,7 @@ def test_after_a_tail_probe_columns_past_the_probed_one_are_not_overdue_where_wi
     before it); columns 2-6, sent before it too, are not: rank 1's window has not admitted them (R-C4 judges
     only columns up to the delivered one's, which every rank has admitted), and resent they would only be
     held."""
-    entry = P.ENTRY_SIZE + 4 * B
-    agg = AggregatorMachine(1, 2, slots=8)
-    slots = join_all([agg], 2, B)
-    xs = [np.arange(1, 65, dtype=np.float32) * (r + 1) for r in range(2)]
-    ms = []
-    for r, window in enumerate((7, 2)):
-        src = BlockSource.dense(xs[r], B)
-        cfg = WorkerConfig(r, 2, 1, block_size=B, timeout=100.0, window=window * entry, congestion=False)
-        ms.append(AllreduceMachine(cfg, 1, src, Layout(1, slots, src.nblocks), DenseResult(np.zeros(64, np.float32)),
-                                   path=PATH))
+    agg, ms, xs = _machines(windows=(7, 2))
     m0, m1 = ms
 
     def exchange(now, senders, lose_to_0=lambda d: False, to_1=True):
@@ -263,8 +261,8 @@ def test_after_a_tail_probe_columns_past_the_probed_one_are_not_overdue_where_wi
     exchange(0.0, [0, 1])                                     # the bootstrap round
     exchange(0.001, [0, 1])                                   # first rounds: 0-6 and 0-1; 0 and 1 complete
     assert list(m0.round_block[:7]) == [8, 9, 2, 3, 4, 5, 6] and m0.st.ready[:2].all()
-    ends = lambda d: d.header.type == P.RESULT and (d.next == P.END).any()
-    held = exchange(0.002, [0, 1], lose_to_0=ends, to_1=False)   # second rounds of 0 and 1: they end
+    # the second rounds of columns 0 and 1, which end them
+    held = exchange(0.002, [0, 1], lose_to_0=_ends_a_column, to_1=False)
     assert held and list(m0.round_block[:2]) == [8, 9]        # rank 0 has not heard
     assert m0.st.sent_order[1] > m0.st.sent_order[2:7].max()
     at = m0.timer()
