@@ -357,6 +357,20 @@ def table_cells(r: Mapping) -> list[str]:
             _num(r.get("aggregator_cpu_us_per_datagram"), ".0f")]
 
 
+def read_floor_summary(run: Mapping, size: int) -> str:
+    """The read floor's line (`--floor`): how long the workers take to read their float32 tensors of
+    `size` once, all starting together, and what that leaves: no allreduce of dense input can take
+    less, so gloo's time over it bounds the speed-up at any density."""
+    world, read_s = run["rows"][0]["workers"], run["read_floor_s"]
+    line = (f"{world} workers reading their tensors once, all starting together: {read_s:.4f} s from the first "
+            f"start to the last end ({world * 4 * size / read_s / 1e9:.1f} GB/s), the least an allreduce of "
+            "dense input takes at any density (finding the non-zero blocks reads every value)")
+    gloo = [r["gloo_s"] for r in run["rows"] if r.get("gloo_s")]
+    if gloo:
+        line += f"; gloo's {min(gloo):.3f} s is {min(gloo) / read_s:.1f}x that, the most any density can gain here"
+    return line
+
+
 def window_summary(results: Mapping) -> str:
     """Where the workers' windows and round trips settled, per world size (their ranges over ranks and
     densities)."""
@@ -523,11 +537,7 @@ def run_from_args(args) -> int:
         console.print(recovery)
     for run in results["runs"]:
         if run.get("read_floor_s"):
-            world = run["rows"][0]["workers"]
-            console.print(f"{world} workers reading their tensors once, all at once: {run['read_floor_s']:.3f} s "
-                          f"({world * 4 * plan['size'] / run['read_floor_s'] / 1e9:.1f} GB/s), the least an "
-                          "allreduce of dense input takes at any density (finding the non-zero blocks reads "
-                          "every value)")
+            console.print(read_floor_summary(run, plan["size"]))
         for r in run["rows"]:
             if r.get("floor_s"):
                 console.print(f"{r['workers']} workers, density {r['density']:g}: ZeroSum "

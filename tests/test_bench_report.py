@@ -10,8 +10,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from zerosum.bench import (COLUMNS, bench_table, counter_delta, plot, ratio_axis, ratio_label, recovery_summary,
-                           summarize_row, tick_label, window_total)
+from zerosum.bench import (COLUMNS, bench_table, counter_delta, plot, ratio_axis, ratio_label, read_floor_summary,
+                           recovery_summary, summarize_row, tick_label, window_total)
+from zerosum.floor import makespan
 from zerosum.local import SNAPSHOT, LocalAggregator, SnapshotOnSignal
 
 PLAN = {"densities": [1.0, 0.01], "size": 26_214_400, "block_size": 256, "rounds": 2, "warmup": 1,
@@ -139,6 +140,23 @@ def test_ratio_ticks_are_the_1_2_5_values_around_the_data(ratios, ticks):
     (lo, hi), got = ratio_axis(ratios)
     assert got == ticks
     assert lo < min(ticks) and hi > max(ticks)          # a margin beyond the outermost ticks
+
+
+def test_the_read_floor_is_the_makespan_of_all_reads_not_the_slowest_read():
+    # 4 processes on 2 cores: two read from 0 to 6 ms, the other two from 6 to 12 ms (each 6 ms alone);
+    # the next iteration the same shifted, and a third where all four overlap from 1 to 9 ms
+    first = [[(0.000, 0.006), (0.100, 0.106), (0.201, 0.209)]] * 2
+    second = [[(0.006, 0.012), (0.106, 0.112), (0.201, 0.209)]] * 2
+    assert makespan(first + second) == pytest.approx(0.012)    # median of 12, 12 and 8 ms
+    assert makespan([[(5.0, 5.25)]]) == pytest.approx(0.25)
+
+
+def test_the_read_floor_line_bounds_the_gain_by_gloo():
+    run = {"read_floor_s": 0.0125, "rows": [{"workers": 4, "gloo_s": 0.161}, {"workers": 4, "gloo_s": 0.158}]}
+    line = read_floor_summary(run, 26_214_400)
+    assert "0.0125 s from the first start to the last end (33.6 GB/s)" in line
+    assert line.endswith("gloo's 0.158 s is 12.6x that, the most any density can gain here")
+    assert "gloo" not in read_floor_summary({**run, "rows": [{"workers": 4, "gloo_s": None}]}, 26_214_400)
 
 
 def test_ratio_labels():
