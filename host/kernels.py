@@ -30,6 +30,7 @@ from numba import njit
 from . import protocol as P
 from . import transport as T
 from .spec import CE, ECN_MASK
+from .stores import fence, stream_floats
 
 from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
                    H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, CONGESTION, END, ENT, HAS_DATA, HDR, INT_EXP, JIT,
@@ -44,7 +45,7 @@ from .worker_state import (
     F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT,
     I_COLLECT, I_CONGESTION, I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT,
     I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N,
-    I_STAMP, I_VIOLATION, I_WINDOW, TAIL_PROBES, WorkerState)
+    I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW, TAIL_PROBES, WorkerState)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -429,6 +430,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     aggregators = st.probe.shape[0]
     is_int, precision, divisor = st.i[I_IS_INT] != 0, st.i[I_PRECISION], np.float32(st.f[F_DIVISOR])
     out_values, out_n, collect = st.values, st.values.size, st.i[I_COLLECT] != 0
+    stream = st.i[I_STREAM] != 0     # sums into an output larger than the caches (stores.py)
     B = hdr[5]
     reason, rows, flags = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS, REPLY_FLAGS)
     if reason == OK:
@@ -496,10 +498,12 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             else:
                 dst = block * B
                 limit = min(dst + B, out_n)
+            shift = exp - precision
             if is_int:
                 store_swapped(words, limit - dst, out_values, dst)
-            else:
-                _store_floats(words, limit - dst, exp - precision, divisor, out_values, dst)
+            elif not (stream and -149 <= shift <= _F32_HI
+                      and stream_floats(words, limit - dst, _POW2_F32[shift + 149], divisor, out_values, dst)):
+                _store_floats(words, limit - dst, shift, divisor, out_values, dst)
             counts[3] += 1
         if sent_data:
             mine_pos[c] += 1
@@ -876,6 +880,23 @@ def queue_cuts(fd, tx, st, nd, keys, loss):
 
 @njit(**JIT)
 def drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
+    """The worker's driver loop (_drive), then a store fence: Python, or another thread or a device
+    copying the output, may read the sums next (stores.py)."""
+    outcome = _drive(fd, group, rx, tx, st, keys, loss, room, n, i, off)
+    fence()
+    return outcome
+
+
+@njit(**JIT)
+def receive(st, b, n, aggregator, now, ce):
+    """receive_one for the machine's Python interface, then a store fence (as drive)."""
+    code = receive_one(st, b, n, aggregator, now, ce)
+    fence()
+    return code
+
+
+@njit(inline="always", **JIT)
+def _drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
     """The worker's driver loop, from datagram (i, off) of the received batch rx[:n] on: apply what
     arrives (on socket fd, and on the multicast group's socket `group` unless it is -1), send the next
     rounds of the columns that are ready (after each batch, so that a worker that fell behind answers

@@ -32,6 +32,7 @@ from .blocks import BlockSource, CollectedBlocks, DenseResult
 from .errors import AggregatorSilent, ProtocolViolation, ZeroSumRefused, ZeroSumTimeout
 from .fixedpoint import precision_bits
 from .layout import Layout
+from .stores import streams
 
 JOIN_INTERVAL = 0.05   # R-J1 (docs/protocol.md): JOIN is repeated every 50 ms until all ranks joined
 DELAY_TARGET = 0.005   # R-C3: well under the 50 ms a shaper or switch port typically queues
@@ -257,6 +258,8 @@ class AllreduceMachine:
         i[WS.I_MAX_DATAGRAM] = config.max_datagram
         i[WS.I_MAX_ENTRIES] = config.max_entries
         i[WS.I_SOURCE_N] = source.n_values
+        # sums into an output larger than the caches bypass them (stores.py); collected rows are read next
+        i[WS.I_STREAM] = not output.collect and not source.is_int and streams(output.flat.nbytes)
         if not fresh:
             self.st.f[WS.F_SRTT], self.st.f[WS.F_RTTVAR] = path.srtt, path.rttvar
             i[WS.I_HAS_SRTT] = 1
@@ -612,7 +615,7 @@ class AllreduceMachine:
         self._check_failed()
         if self.output.collect:
             self.grow(self._max_rows)
-        code = K.receive_one(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now, ce)
+        code = K.receive(self.st, np.frombuffer(datagram, np.uint8), len(datagram), aggregator, now, ce)
         if code > 0:
             self.fail(code, aggregator)
 

@@ -69,8 +69,8 @@ class WorkerState(NamedTuple):
  I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
  I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
- I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED, I_SENT_ENTRIES) = range(36)
-N_I = I_SENT_ENTRIES + 1
+ I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED, I_SENT_ENTRIES, I_STREAM) = range(37)
+N_I = I_STREAM + 1
 N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
 # WorkerState.waiting_for of a round resent although a STATUS had said that the aggregator holds it: its
 # RESULT may have been lost (R-C4, R-L8); a STATUS that answers it is no spurious retransmission
