@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 import struct
 import sys
@@ -59,7 +60,7 @@ UDP_GRO = 104
 IP_MTU = 14
 MSG_DONTWAIT = 0x40
 POLLIN, POLLOUT = 0x1, 0x4
-EAGAIN, EINTR, EIO, EINVAL, EMSGSIZE = 11, 4, 5, 22, 90
+EAGAIN, EINTR, EIO, EINVAL, EMSGSIZE, EADDRINUSE = 11, 4, 5, 22, 90, 98
 AF_INET = 2
 
 # libc, resolved by name when a kernel is linked (so the kernels stay in numba's on-disk cache).
@@ -563,7 +564,7 @@ def multicast_problem(group: str, interface: str, wait: float = 0.5) -> tuple[in
     without a route or membership for the group, a container without multicast on its loopback."""
     import select
     try:
-        receiver = multicast_receiver((group, 0), interface, 1 << 16)
+        receiver = multicast_receiver((group, unused_group_port(group)), interface, 1 << 16)
     except OSError as e:
         return 0, str(e)
     try:
@@ -578,6 +579,37 @@ def multicast_problem(group: str, interface: str, wait: float = 0.5) -> tuple[in
         return 0, f"cannot send to {group} through {interface}: {e.strerror or e}"
     finally:
         receiver.close()
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel gives ports from to sockets that send or connect unbound (Linux's
+    ip_local_port_range; its default where that cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def unused_group_port(group: str, tries: int = 64) -> int:
+    """A port that no socket of this host has bound for the multicast `group`, below the ephemeral range
+    (0 where none is found: then the kernel picks one). A port taken by binding port 0 is ephemeral: in
+    the time between this choice and the workers joining the group, any socket that sends or connects
+    unbound can be given it, without SO_REUSEADDR, and the workers' bind then fails with EADDRINUSE (seen
+    once in torch's conformance suite, which starts many groups in a row). Each candidate is bound once
+    without SO_REUSEADDR: that fails while any socket holds the port, a group receiver of another job too."""
+    low, _ = ephemeral_ports()
+    band = range(max(1024, low - 12768), low)
+    for port in random.sample(band, min(tries, len(band))):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((group, port))
+                return port
+            except OSError as e:
+                if e.errno != EADDRINUSE:
+                    raise
+    return 0
 
 
 def is_multicast(address: str) -> bool:

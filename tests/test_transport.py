@@ -238,6 +238,26 @@ def test_multicast_needs_a_multicast_address():
         zerosum.Worker(0, 1, ["127.0.0.1:9"], multicast="10.0.0.1:5000")
 
 
+def test_a_results_group_port_is_held_by_no_socket_and_outside_the_ephemeral_range(monkeypatch):
+    """transport.unused_group_port: a port that no socket on this host holds, chosen below the range the
+    kernel gives unbound senders their ports from, so that none can take it before the workers join."""
+    from zerosum import local
+    low, high = T.ephemeral_ports()
+    assert 1024 <= low <= high
+    port = T.unused_group_port(local.LOOPBACK_GROUP)
+    assert 1024 <= port < low
+    found, problem = T.multicast_problem(local.LOOPBACK_GROUP, "127.0.0.1")
+    assert problem is not None or 1024 <= found < low
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as held:      # as an unbound sender's would be
+        held.bind(("0.0.0.0", port))
+        other = T.unused_group_port(local.LOOPBACK_GROUP)
+        assert other not in (0, port)
+        monkeypatch.setattr(T.random, "sample", lambda band, k: [port, other])
+        assert T.unused_group_port(local.LOOPBACK_GROUP) == other      # the held port is passed over
+        monkeypatch.setattr(T.random, "sample", lambda band, k: [port])
+        assert T.unused_group_port(local.LOOPBACK_GROUP) == 0          # none free: the kernel's choice
+
+
 def test_results_go_by_multicast_on_loopback_where_it_works_and_to_each_worker_where_not(monkeypatch):
     """local.results_group: "auto" takes a group on loopback when a datagram sent to it arrives here, and
     falls back to unicast (saying why) when not; a group asked for by name must work or is an error."""
