@@ -9,7 +9,8 @@ Python objects. The aggregator's kernels are in zerosum.aggregator_kernels.
 - scan_blocks: one pass over a tensor's bits finds the non-zero blocks and their exponents.
 - encode_data: the worker's next round for the ready columns, quantised straight from the tensor
   into datagrams (fused by bytes, cut per aggregator).
-- apply_datagram: the worker's RESULT/STATUS handling, dequantised straight into the output.
+- apply_datagram: the worker's RESULT/STATUS handling, dequantised straight into the output (past the
+  caches where it is larger than they are: zerosum.stores).
 - drive: the worker's driver loop: batches of datagrams received, applied, and the next rounds sent.
 
 They work on the allreduce's state record (zerosum.worker_state); the timers, the congestion window and

@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 JIT = dict(cache=True, nogil=True)
 
 LANES = 16              # floats per call of the vector kernel (64 bytes: one cache line)
-ALIGN = 16              # bytes: the narrowest vector store (xmm), which numpy's buffers always allow
+ALIGN = 16              # bytes: the narrowest vector store (xmm); numpy allocates on 16-byte boundaries
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
