@@ -94,6 +94,7 @@ TAIL_PROBES = 2     # R-L8: per quiet spell of an aggregator: the round sent las
 # F_DELIVERED_READY when it could first be sent (its ready_at; R-C4); I_SENT_ENTRIES: entries sent so far
 # (sent_order's counter); F_TAIL_PTO: how long an aggregator
 # may be quiet before a tail probe goes out (R-L8; inf: none), as of the last flush
+# I_STREAM: sums go into the output with non-temporal stores (an output larger than the caches; zerosum.stores)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",
                 "range", "duplicate_result", "unknown_source")
