@@ -66,9 +66,6 @@ class SparseBlocks:
     exponents: np.ndarray  # int32 per block: frexp exponent of max|x| (INT_EXP for int32 data)
 
 
-_NO_WORDS = np.zeros(0, np.uint64)
-
-
 def scan(values: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Non-zero blocks of a flat float32/int32 array and their exponents, in one compiled pass.
 
@@ -81,10 +78,7 @@ def scan(values: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     nblocks = block_count(flat.size, block_size)
     blocks = np.empty(nblocks, np.int64)
     exps = np.empty(nblocks, np.int32)
-    bits = flat.view(np.int32)
-    aligned = block_size % 2 == 0 and flat.size % 2 == 0 and flat.ctypes.data % 8 == 0
-    words = bits.view(np.uint64) if aligned else _NO_WORDS
-    count, bad = kernels.scan_blocks(bits, words, block_size, flat.dtype == np.int32, blocks, exps)
+    count, bad = kernels.scan_blocks(flat.view(np.int32), block_size, flat.dtype == np.int32, blocks, exps)
     if bad >= 0:
         raise ValueError(f"tensor has NaN or infinite values (first in block {bad}, elements "
                          f"{bad * block_size}..{(bad + 1) * block_size - 1}); "

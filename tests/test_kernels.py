@@ -1,8 +1,8 @@
 """The compiled kernels against independent numpy computations.
 
 - the block scan (kernels.scan_blocks through blocks.scan): non-zero blocks and frexp exponents on
-  random geometries, odd block sizes and unaligned buffers (both the 64-bit OR path and the int32
-  fallback), -0.0, subnormals, int32, and NaN/inf refused naming the first bad block;
+  random geometries, odd block sizes, partial last blocks and unaligned buffers, -0.0, subnormals,
+  int32, and NaN/inf refused naming the first bad block;
 - the per-value loops: quantising (x * 2**s, rounded half to even) and dequantising
   (float32(sum) * 2**s / divisor) for every power-of-two shift in and beyond float32's exponent range,
   bit for bit against np.ldexp and against exact float64 arithmetic;
@@ -97,20 +97,13 @@ def numpy_scan(flat, block_size):
     return live, exps, first_bad
 
 
-def kernel_scan(flat, block_size, use_words):
-    """kernels.scan_blocks called directly, with or without the uint64 view (the OR path)."""
+def kernel_scan(flat, block_size):
+    """kernels.scan_blocks called directly (what it returns past a NaN block too)."""
     nblocks = -(-flat.size // block_size)
     blocks = np.full(nblocks, -1, np.int64)
     exps = np.full(nblocks, -1, np.int32)
-    bits = flat.view(np.int32)
-    words = bits.view(np.uint64) if use_words else np.zeros(0, np.uint64)
-    count, bad = K.scan_blocks(bits, words, block_size, flat.dtype == np.int32, blocks, exps)
+    count, bad = K.scan_blocks(flat.view(np.int32), block_size, flat.dtype == np.int32, blocks, exps)
     return blocks[:count], exps[:count], bad
-
-
-def uses_or_path(flat, block_size):
-    """Whether blocks.scan takes the 64-bit OR path for this array (its documented condition)."""
-    return block_size % 2 == 0 and flat.size % 2 == 0 and flat.ctypes.data % 8 == 0
 
 
 # -- the block scan -----------------------------------------------------------------------------------------
@@ -126,35 +119,36 @@ def test_scan_matches_numpy(n, block_size, offset, int_data, density, seed):
     x = placed(block_data(rng, n, block_size, np.int32 if int_data else np.float32, density), offset)
     want_blocks, want_exps, bad = numpy_scan(x, block_size)
     assert bad == -1
-    event(f"OR path: {uses_or_path(x, block_size)}")
+    event(f"partial last block: {n % block_size != 0}")
     blocks, exps = scan(x, block_size)
     assert blocks.dtype == np.int64 and exps.dtype == np.int32
     assert np.array_equal(blocks, want_blocks) and np.array_equal(exps, want_exps)
-    # both code paths of the kernel, whatever blocks.scan chose
-    paths = [False] + ([True] if uses_or_path(x, block_size) else [])
-    for use_words in paths:
-        b, e, bad = kernel_scan(x, block_size, use_words)
-        assert bad == -1 and np.array_equal(b, want_blocks) and np.array_equal(e, want_exps)
+    b, e, bad = kernel_scan(x, block_size)
+    assert bad == -1 and np.array_equal(b, want_blocks) and np.array_equal(e, want_exps)
 
 
+@pytest.mark.parametrize("tail", [0, 1])
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("block_size", [2, 3, 8, 64])
-def test_scan_takes_both_paths_and_agrees(offset, block_size):
-    """An 8-byte aligned array with an even block size and length takes the OR path; the same data one
-    float32 further into its buffer does not; both give numpy's answer."""
+def test_scan_agrees_at_any_alignment(offset, block_size, tail):
+    """The same data 8-byte aligned and one float32 further into its buffer, with and without a
+    partial last block (which holds the largest value, so that a scan stopping short shows): numpy's
+    answer every time."""
     rng = np.random.default_rng(block_size)
-    n = block_size * 50
-    x = placed(block_data(rng, n, block_size, np.float32, 0.3), offset)
-    assert uses_or_path(x, block_size) == (offset == 0 and block_size % 2 == 0)
+    n = block_size * 50 + tail
+    data = block_data(rng, n, block_size, np.float32, 0.3)
+    data[-1] = np.float32(1e30)
+    x = placed(data, offset)
+    assert x.ctypes.data % 8 == 4 * offset
     want_blocks, want_exps, _ = numpy_scan(x, block_size)
+    assert want_blocks[-1] == (n - 1) // block_size
     blocks, exps = scan(x, block_size)
     assert np.array_equal(blocks, want_blocks) and np.array_equal(exps, want_exps)
 
 
-@pytest.mark.parametrize("use_words", [False, True])
-def test_scan_sign_bits_and_single_bits(use_words):
-    """-0.0 in either half of a 64-bit word counts as zero, the smallest subnormal in either half does
-    not; for int32 data a value with only the sign bit set is non-zero."""
+def test_scan_sign_bits_and_single_bits():
+    """-0.0 counts as zero wherever it is, the smallest subnormal does not; for int32 data a value with
+    only the sign bit set is non-zero."""
     B = 4
     neg0 = np.float32(-0.0)
     tiny = np.uint32(1).view(np.float32)          # 2**-149
@@ -165,7 +159,7 @@ def test_scan_sign_bits_and_single_bits(use_words):
     x[15] = np.float32(-np.finfo(np.float32).max)  # block 3: the largest magnitude, last element
     x[16:20] = [neg0, 0, neg0, 0]                  # block 4: zeros of both signs
     x[23] = np.float32(2.0 ** -126)                # block 5: the smallest normal
-    b, e, bad = kernel_scan(x, B, use_words)
+    b, e, bad = kernel_scan(x, B)
     assert bad == -1
     assert list(b) == [1, 2, 3, 5]
     assert list(e) == [-148, -148, 128, -125]
@@ -173,7 +167,7 @@ def test_scan_sign_bits_and_single_bits(use_words):
     ints = np.zeros(4 * B, np.int32)
     ints[1] = np.int32(-2**31)                    # only the sign bit: non-zero for int32
     ints[14] = 1
-    b, e, bad = kernel_scan(ints, B, use_words)
+    b, e, bad = kernel_scan(ints, B)
     assert list(b) == [0, 3] and list(e) == [P.INT_EXP] * 2 and bad == -1
 
 
@@ -215,8 +209,7 @@ def test_nan_and_inf_name_the_first_bad_block(n, block_size, offset, bad_bits, s
     lo, hi = first * block_size, (first + 1) * block_size - 1
     with pytest.raises(ValueError, match=rf"NaN or infinite values \(first in block {first}, elements {lo}\.\.{hi}\)"):
         scan(x, block_size)
-    for use_words in [False] + ([True] if uses_or_path(x, block_size) else []):
-        assert kernel_scan(x, block_size, use_words)[2] == first
+    assert kernel_scan(x, block_size)[2] == first
 
 
 # -- grouping a worker's blocks by column ----------------------------------------------------------------
