@@ -188,32 +188,53 @@ class _Staged:
 
 # -- in the bench process ----------------------------------------------------------------------------
 
-def resolve_multicast(setting: str, mtu: int | None) -> tuple[str | None, str]:
-    """--multicast: on loopback, local.results_group (auto: by multicast where it works here); on veth
-    links (--mtu) a GROUP given is used at port 48900 (every aggregator sends there, the workers tell
-    them apart by source address), and auto means results to each worker."""
-    from .local import named_group, results_group
-    if not mtu:
-        return results_group(setting)
-    group = named_group(setting)
-    if group is None:
-        return None, "results to each worker"
-    group = group if ":" in group else f"{group}:48900"
-    return group, f"results by multicast to {group}"
+STAR_GROUP = "239.255.77.1"   # results' group on the veth star (--mtu), at STAR_PORT unless given one
+STAR_PORT = 48900
+
+
+def star_results_group(setting: str, hosts: Mapping[str, tuple[str, str]]) -> tuple[str | None, str]:
+    """--multicast on the veth star (--mtu; hosts: name -> (namespace, address), aggregators "a<i>",
+    workers "w<r>"). Every aggregator sends its results to one GROUP:PORT, the workers tell them apart by
+    source address. auto: STAR_GROUP where one datagram from each aggregator reaches every worker across
+    the bridge, as on loopback (else results to each worker, saying why); off: to each worker; a GROUP
+    given must get there (ValueError). Returns (GROUP:PORT or None, one line saying which and why)."""
+    from . import netns
+    from . import transport as T
+    from .local import OFF
+    setting = setting.strip().lower()
+    if setting in OFF:
+        return None, "results to each worker (multicast off)"
+    if setting == "auto" and T.io_mode() == "plain":
+        return None, "results to each worker (multicast needs batched I/O; ZEROSUM_IO is plain)"
+    group, _, port = (STAR_GROUP, "", "") if setting == "auto" else setting.partition(":")
+    if not T.is_multicast(group):
+        raise ValueError(f"multicast {setting!r}: {group} is not an IPv4 multicast address (224.0.0.0/4); "
+                         "give GROUP[:PORT], auto or off")
+    chosen = f"{group}:{port or STAR_PORT}"
+    problem = netns.multicast_problem(group, int(port or STAR_PORT),
+                                      {h: v for h, v in hosts.items() if h.startswith("a")},
+                                      {h: v for h, v in hosts.items() if h.startswith("w")})
+    if problem is not None:
+        if setting == "auto":
+            return None, f"results to each worker (multicast across the veth links does not work here: {problem})"
+        raise ValueError(f"multicast {setting!r}: {problem}")
+    return chosen, f"results by multicast to {chosen}" + (" (auto: across the veth links)" if setting == "auto" else "")
 
 
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:
-    """One world size: on loopback, or with plan["mtu"] on hosts in network namespaces (netns.star)."""
+    """One world size: on loopback, or with plan["mtu"] on hosts in network namespaces (netns.star),
+    where plan["multicast"] is still the --multicast setting (star_results_group resolves it there)."""
     if not plan.get("mtu"):
         return _run_world(world, plan, aggregators, port, on_step)
     from . import netns
     hosts = {f"a{i}": netns.aggregator_ip(i) for i in range(aggregators)}
     hosts.update({f"w{r}": netns.worker_ip(r) for r in range(world)})
     with netns.star(hosts, plan["mtu"]) as (ns, _):
-        here = dict(plan, namespaces=[ns[f"w{r}"] for r in range(world)],
+        group, note = star_results_group(plan["multicast"], {h: (ns[h], ip) for h, ip in hosts.items()})
+        here = dict(plan, namespaces=[ns[f"w{r}"] for r in range(world)], multicast=group,
                     listen=[f"{netns.aggregator_ip(i)}:{port or 48879}" for i in range(aggregators)],
                     prefixes=[["ip", "netns", "exec", ns[f"a{i}"]] for i in range(aggregators)])
-        return _run_world(world, here, aggregators, port, on_step)
+        return dict(_run_world(world, here, aggregators, port, on_step), multicast=group, multicast_note=note)
 
 
 def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> dict:
@@ -494,7 +515,11 @@ def run_from_args(args) -> int:
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
             "max_datagram": args.max_datagram, "mtu": args.mtu,
             "window": args.window, "congestion": args.congestion, "device": args.device}
-    plan["multicast"], multicast_note = resolve_multicast(args.multicast, args.mtu)   # GROUP:PORT or None
+    if args.mtu:
+        plan["multicast"] = args.multicast     # resolved on each world's star (star_results_group)
+    else:
+        from .local import results_group
+        plan["multicast"], loopback_note = results_group(args.multicast)   # GROUP:PORT or None
     if plan["baseline"]:
         try:
             import torch  # noqa: F401
@@ -530,7 +555,8 @@ def run_from_args(args) -> int:
                       f"{plan['max_datagram'] or 'the path MTU - 28 (65,507 on loopback)'}"
                       + (f"; hosts in network namespaces on veth links of MTU {plan['mtu']}"
                          if plan.get("mtu") else "; loopback")
-                      + f"; {multicast_note}")
+                      + "; " + ("; ".join(sorted({r["multicast_note"] for r in results["runs"]}))
+                                if plan.get("mtu") else loopback_note))
     console.print(window_summary(results))
     recovery = recovery_summary(results)
     if recovery:

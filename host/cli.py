@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "veth links of this MTU, unshaped; needs root), gloo on the same links")
         b.add_argument("--multicast", default="auto", metavar="auto|off|GROUP[:PORT]",
                        help="the aggregator sends results once to an IP multicast group, which the workers "
-                            "join, instead of once to each worker: auto, on loopback where multicast works "
-                            "there (TTL 0: nothing leaves the host); off, to each worker; GROUP, that group "
-                            "(e.g. 239.255.77.1)")
+                            "join, instead of once to each worker: auto, where a probe finds that it works (on "
+                            "loopback with TTL 0: nothing leaves the host; with --mtu across the veth "
+                            "links); off, to each worker; GROUP, that group (e.g. 239.255.77.1)")
         b.add_argument("--window", type=_window, default="auto", metavar="auto|none|BYTES",
                        help="the workers' window: auto, the congestion window; BYTES, its upper bound (with "
                             "--no-congestion: the fixed window); none, every column at once")

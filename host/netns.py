@@ -4,7 +4,7 @@ experiments and `zerosum bench --mtu` run on (root and iproute2 needed; tc for s
 `star(hosts, mtu, rate)` builds one namespace per host with one veth link of the given MTU, shaped to
 `rate` both ways by a token bucket (tc tbf) or unshaped (rate None), and removes everything again on
 exit; `enter(namespace)` moves the calling process into one (setns), so that a process started by
-multiprocessing runs on that host.
+multiprocessing runs on that host; `multicast_problem` tries a multicast group across the star.
 """
 from __future__ import annotations
 
@@ -13,8 +13,12 @@ import ctypes
 import itertools
 import os
 import re
+import select
 import shutil
+import socket
 import subprocess
+import threading
+import time
 from contextlib import contextmanager
 
 SUBNET = "10.77.0"
@@ -145,6 +149,57 @@ def enter(namespace: str) -> None:
             raise OSError(err, f"cannot enter network namespace {namespace}: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def in_namespace(namespace: str, make):
+    """make() run on a thread of its own that entered the namespace (setns moves only the calling
+    thread): what it returns, a socket included, belongs to that host."""
+    out: dict = {}
+
+    def run():
+        try:
+            enter(namespace)
+            out["value"] = make()
+        except BaseException as e:     # handed to the caller's thread
+            out["error"] = e
+    thread = threading.Thread(target=run, name=f"in {namespace}")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def multicast_problem(group: str, port: int, senders: dict[str, tuple[str, str]],
+                      receivers: dict[str, tuple[str, str]], wait: float = 0.5) -> str | None:
+    """Whether one datagram that each sending host sends to the multicast group:port reaches every
+    receiving host joined to it across the star, as an aggregator's results would reach its workers
+    (hosts: name -> (namespace, address)). None when all arrived, else why not."""
+    from . import transport as T
+    joined: dict[str, socket.socket] = {}
+    try:
+        for name, (ns, ip) in receivers.items():
+            joined[name] = in_namespace(ns, lambda ip=ip: T.multicast_receiver((group, port), ip, 1 << 16))
+        for name, (ns, ip) in senders.items():
+            def send(ip=ip, name=name):
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    T.multicast_sender(s, ip)
+                    s.sendto(b"zerosum multicast probe from " + name.encode(), (group, port))
+            in_namespace(ns, send)
+        deadline = time.monotonic() + wait
+        for name, sock in joined.items():
+            missing = set(senders)
+            while missing:
+                if not select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    return (f"a datagram that {', '.join(sorted(missing))} sent to {group}:{port} did not reach "
+                            f"{name} within {wait} s")
+                missing.discard(sock.recv(128).decode(errors="replace").rpartition(" from ")[2])
+        return None
+    except OSError as e:
+        return str(e)
+    finally:
+        for sock in joined.values():
+            sock.close()
 
 
 def available() -> str:

@@ -205,9 +205,56 @@ def test_bench_on_veth_links_of_mtu_1500_sums_exactly(tmp_path):
                           "--output", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "veth links of MTU 1500" in out.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["rows"]
-    assert [r["density"] for r in rows] == [1.0, 0.05]
-    assert all(r["retransmitted_entries"] == 0 for r in rows)
+    run = json.loads((tmp_path / "bench.json").read_text())["runs"][0]
+    assert [r["density"] for r in run["rows"]] == [1.0, 0.05]
+    assert all(r["retransmitted_entries"] == 0 for r in run["rows"])
+    # --multicast auto: by multicast across the bridge where a probe got through, and the output says so
+    assert ("results by multicast" in " ".join(out.stdout.split())) == (run["multicast"] is not None)
+
+
+def test_a_multicast_probe_reaches_every_worker_of_its_star_and_no_other():
+    """netns.multicast_problem: one datagram from each aggregator host, through its own veth link, must
+    reach every worker host joined to the group; a worker on another star (another bridge, the same
+    addresses) is named as not reached. in_namespace makes a socket on that host only."""
+    netns = _netns_or_skip()
+    hosts = {"a0": netns.aggregator_ip(0), "a1": netns.aggregator_ip(1), "w0": netns.worker_ip(0),
+             "w1": netns.worker_ip(1)}
+    group, port = "239.255.77.1", 48901
+    with netns.star(hosts, 1500) as (ns, _), netns.star({"w0": netns.worker_ip(0)}, 1500) as (other, _):
+        on = {h: (ns[h], ip) for h, ip in hosts.items()}
+        senders = {h: on[h] for h in ("a0", "a1")}
+        assert netns.multicast_problem(group, port, senders, {h: on[h] for h in ("w0", "w1")}) is None
+        why = netns.multicast_problem(group, port, senders, {"w9": (other["w0"], netns.worker_ip(0))},
+                                      wait=0.3)
+        assert why is not None and "a0, a1" in why and "did not reach w9" in why
+        bound = netns.in_namespace(ns["w0"], lambda: socket.create_server((netns.worker_ip(0), 0),
+                                                                          family=socket.AF_INET))
+        bound.close()
+        with pytest.raises(OSError):        # that address is the namespace's, not this host's
+            socket.create_server((netns.worker_ip(0), 0), family=socket.AF_INET).close()
+
+
+def test_the_bench_resolves_multicast_on_its_star(monkeypatch):
+    """bench.star_results_group: auto takes the star's group when the probe gets through and falls back to
+    each worker, saying why, when it does not; a group asked for by name must get through; off is off."""
+    from zerosum import bench
+    netns = _netns_or_skip()
+    hosts = {"a0": netns.aggregator_ip(0), "w0": netns.worker_ip(0), "w1": netns.worker_ip(1)}
+    with netns.star(hosts, 1500) as (ns, _):
+        on = {h: (ns[h], ip) for h, ip in hosts.items()}
+        assert bench.star_results_group("off", on) == (None, "results to each worker (multicast off)")
+        assert bench.star_results_group("239.1.2.3:5555", on)[0] == "239.1.2.3:5555"
+        group, note = bench.star_results_group("auto", on)
+        assert group == f"{bench.STAR_GROUP}:{bench.STAR_PORT}" and "across the veth links" in note
+        with pytest.raises(ValueError, match="not an IPv4 multicast address"):
+            bench.star_results_group("10.0.0.1", on)
+        monkeypatch.setattr(netns, "multicast_problem", lambda *a, **k: "no route")
+        group, note = bench.star_results_group("auto", on)
+        assert group is None and "does not work here: no route" in note
+        with pytest.raises(ValueError, match="no route"):
+            bench.star_results_group("239.255.77.1", on)
+        monkeypatch.setenv("ZEROSUM_IO", "plain")
+        assert bench.star_results_group("auto", on)[0] is None
 
 
 def test_results_by_multicast_are_exact_and_a_worker_without_the_group_is_told():
