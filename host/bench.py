@@ -194,31 +194,17 @@ STAR_PORT = 48900
 
 def star_results_group(setting: str, hosts: Mapping[str, tuple[str, str]]) -> tuple[str | None, str]:
     """--multicast on the veth star (--mtu; hosts: name -> (namespace, address), aggregators "a<i>",
-    workers "w<r>"). Every aggregator sends its results to one GROUP:PORT, the workers tell them apart by
-    source address. auto: STAR_GROUP where one datagram from each aggregator reaches every worker across
-    the bridge, as on loopback (else results to each worker, saying why); off: to each worker; a GROUP
-    given must get there (ValueError). Returns (GROUP:PORT or None, one line saying which and why)."""
+    workers "w<r>"), as local.choose_group reads it. Every aggregator sends its results to one
+    GROUP:PORT (STAR_PORT unless given), the workers tell them apart by source address; the probe: one
+    datagram from each aggregator reaches every worker across the bridge."""
     from . import netns
-    from . import transport as T
-    from .local import OFF
-    setting = setting.strip().lower()
-    if setting in OFF:
-        return None, "results to each worker (multicast off)"
-    if setting == "auto" and T.io_mode() == "plain":
-        return None, "results to each worker (multicast needs batched I/O; ZEROSUM_IO is plain)"
-    group, _, port = (STAR_GROUP, "", "") if setting == "auto" else setting.partition(":")
-    if not T.is_multicast(group):
-        raise ValueError(f"multicast {setting!r}: {group} is not an IPv4 multicast address (224.0.0.0/4); "
-                         "give GROUP[:PORT], auto or off")
-    chosen = f"{group}:{port or STAR_PORT}"
-    problem = netns.multicast_problem(group, int(port or STAR_PORT),
-                                      {h: v for h, v in hosts.items() if h.startswith("a")},
-                                      {h: v for h, v in hosts.items() if h.startswith("w")})
-    if problem is not None:
-        if setting == "auto":
-            return None, f"results to each worker (multicast across the veth links does not work here: {problem})"
-        raise ValueError(f"multicast {setting!r}: {problem}")
-    return chosen, f"results by multicast to {chosen}" + (" (auto: across the veth links)" if setting == "auto" else "")
+    from .local import choose_group
+
+    def probe(group: str, port: int | None) -> tuple[int, str | None]:
+        port = port or STAR_PORT
+        return port, netns.multicast_problem(group, port, {h: v for h, v in hosts.items() if h.startswith("a")},
+                                             {h: v for h, v in hosts.items() if h.startswith("w")})
+    return choose_group(setting, STAR_GROUP, probe, "across the veth links")
 
 
 def run_world(world: int, plan: dict, aggregators: int, port: int, on_step=lambda: None) -> dict:

@@ -95,7 +95,7 @@ OFF = ("", "off", "none")
 
 def named_group(setting: str | None) -> str | None:
     """The group a setting names where ZeroSum does not start the aggregator on loopback itself (given
-    aggregators, veth links): auto and off mean results to each worker, anything else is the group."""
+    aggregators): auto and off mean results to each worker, anything else is the group."""
     return None if setting is None or setting.strip().lower() in ("auto", *OFF) else setting.strip()
 
 
@@ -113,22 +113,32 @@ def results_group(setting: str | None = "auto", interface: str = "127.0.0.1") ->
 
     Returns (GROUP:PORT or None, one line saying which and why, for the user)."""
     from . import transport as T
+    return choose_group(setting, LOOPBACK_GROUP, lambda group, port: T.multicast_problem(group, interface),
+                        "on loopback")
+
+
+def choose_group(setting: str | None, default: str, probe, where: str) -> tuple[str | None, str]:
+    """A --multicast setting made a group: off -> None; auto -> the `default` group where
+    probe(group, port or None) -> (port, problem) finds that it works `where` (else None, saying why), and
+    only with batched I/O; "GROUP[:PORT]" -> that group, which must work (ValueError). Returns (GROUP:PORT
+    or None, one line saying which and why, for the user)."""
+    from . import transport as T
     setting = "auto" if setting is None else setting.strip().lower()
     if setting in OFF:
         return None, "results to each worker (multicast off)"
     if setting == "auto" and T.io_mode() == "plain":
         return None, "results to each worker (multicast needs batched I/O; ZEROSUM_IO is plain)"
-    group, _, port = (LOOPBACK_GROUP, "", "") if setting == "auto" else setting.partition(":")
+    group, _, port = (default, "", "") if setting == "auto" else setting.partition(":")
     if not T.is_multicast(group):
         raise ValueError(f"multicast {setting!r}: {group} is not an IPv4 multicast address (224.0.0.0/4); "
                          "give GROUP[:PORT], auto or off")
-    free, problem = T.multicast_problem(group, interface)
+    found, problem = probe(group, int(port) if port else None)
     if problem is not None:
         if setting == "auto":
-            return None, f"results to each worker (multicast on loopback does not work here: {problem})"
+            return None, f"results to each worker (multicast {where} does not work here: {problem})"
         raise ValueError(f"multicast {setting!r}: {problem}")
-    chosen = f"{group}:{port or free}"
-    return chosen, f"results by multicast to {chosen}" + (" (auto: loopback)" if setting == "auto" else "")
+    chosen = f"{group}:{port or found}"
+    return chosen, f"results by multicast to {chosen}" + (f" (auto: {where})" if setting == "auto" else "")
 
 
 class LocalAggregator:
