@@ -8,7 +8,6 @@ import socket
 import time
 
 import numpy as np
-from numba import typed
 
 from . import aggregator_kernels as AK
 from . import protocol as P
@@ -224,9 +223,10 @@ class AggregatorServer:
             if not jobs:
                 self._tables = None
             else:
-                tables = typed.List()
-                for j in jobs.values():
-                    tables.append(j.machine.table)
+                first, *others = (j.machine.table for j in jobs.values())
+                tables = AK.table_list(first)
+                for table in others:
+                    AK.append_table(tables, table)
                 self._tables = (np.array(list(jobs), np.int64), tables)
         return self._tables
 

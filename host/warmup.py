@@ -11,9 +11,13 @@ driver loops over two loopback sockets.
 from __future__ import annotations
 
 import itertools
+import socket
+import threading
+import time
 
 import numpy as np
 
+from . import aggregator_kernels as AK
 from . import congestion as CC
 from . import kernels as K
 from .aggregator_machine import AggregatorMachine
@@ -80,19 +84,15 @@ def warm_up() -> None:
     _done = True
 
 
-def _warm_up_transport(B: int) -> None:
+def _warm_up_transport(B: int) -> int:
     """The compiled driver loops (kernels.drive, aggregator_kernels.serve_until) over two loopback sockets, one
-    tiny allreduce per dtype and result kind."""
-    import socket
-    import time
-
-    from numba import typed
-
-    from . import aggregator_kernels as AK
+    tiny allreduce per dtype and result kind. Returns how many of the four finished (0 without batched
+    I/O, where these loops do not run)."""
     from . import transport as T
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         if not T.detect(probe).batched:
-            return
+            return 0
+    finished = 0
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as w:
         a.bind(("127.0.0.1", 0))
         w.bind(("127.0.0.1", 0))
@@ -106,7 +106,8 @@ def _warm_up_transport(B: int) -> None:
                 agg.receive(d, w.getsockname(), 0.0)
                 for _, ack in agg.datagrams_to_send(0.0):
                     join.receive(0, ack, 0.0)
-            tables = typed.List([agg.table])
+            tables = AK.table_list(agg.table)
+            AK.append_table(AK.table_list(agg.table), agg.table)    # (a second job joining)
             job_ids = np.array([1], np.int64)
             if collect:
                 source = BlockSource.compact(np.array([0, 1]), np.arange(1, 9, dtype=dtype).reshape(2, B), 2)
@@ -118,12 +119,29 @@ def _warm_up_transport(B: int) -> None:
             m.begin(time.monotonic())
             n = i = off = 0
             end = time.monotonic() + 5.0
-            while time.monotonic() < end:
-                if collect:
-                    m.grow(64)
-                outcome, n, i, off = K.drive(w.fileno(), -1, rx_w, tx_w, m.st, keys, 0.0, sink.count[1] + 64
-                                             if collect else 0, n, i, off)
-                if outcome == K.DONE:
-                    break
-                AK.serve_until(a.fileno(), rx_a, job_ids, tables, tx_a, 0.0, time.monotonic() + 0.05)
+            # The aggregator's loop on a thread of its own (both loops release the GIL): taking turns, the
+            # worker's loop waited out its timer for every answer (about 1 s of each process's start).
+            done = threading.Event()
+            server = threading.Thread(target=_serve, args=(a.fileno(), rx_a, job_ids, tables, tx_a, done, end),
+                                      daemon=True)
+            server.start()
+            try:
+                while time.monotonic() < end:
+                    if collect:
+                        m.grow(64)
+                    outcome, n, i, off = K.drive(w.fileno(), -1, rx_w, tx_w, m.st, keys, 0.0,
+                                                 sink.count[1] + 64 if collect else 0, n, i, off)
+                    if outcome == K.DONE:
+                        finished += 1
+                        break
+            finally:
+                done.set()
+                server.join()
         T.receive(a.fileno(), rx_a, 0)     # (the server's receive while no job is served)
+    return finished
+
+
+def _serve(fd, rx, job_ids, tables, tx, done, end) -> None:
+    """The aggregator's compiled loop, a few milliseconds at a time, until `done` is set or `end` passes."""
+    while not done.is_set() and time.monotonic() < end:
+        AK.serve_until(fd, rx, job_ids, tables, tx, 0.0, time.monotonic() + 0.005)

@@ -328,3 +328,27 @@ def test_results_go_by_multicast_on_loopback_where_it_works_and_to_each_worker_w
         local.results_group("239.255.77.1")
     monkeypatch.setenv("ZEROSUM_IO", "plain")
     assert local.results_group("auto")[0] is None
+
+
+def test_the_warm_up_finishes_each_allreduce_through_the_compiled_loops():
+    """warmup._warm_up_transport: the worker's compiled loop (kernels.drive) against the aggregator's
+    (serve_until, on a thread of its own) over two loopback sockets; each of its four tiny allreduces
+    (float32/int32, dense/collected) finishes, or the process would meet a kernel's first compile later."""
+    from zerosum import warmup
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        if not T.detect(s).batched:
+            pytest.skip("no batched I/O here: the compiled loops do not run")
+    assert warmup._warm_up_transport(4) == 4
+
+
+def test_the_aggregators_list_of_job_tables_is_built_in_compiled_code():
+    """aggregator_kernels.table_list / append_table: the typed list that serve and serve_until take, one
+    SlotTable per job in the order added, each the job's own arrays (not copies)."""
+    from zerosum import aggregator_kernels as AK
+    from zerosum.aggregator_machine import AggregatorMachine
+    first, second = AggregatorMachine(1, 2, slots=4).table, AggregatorMachine(2, 3, slots=8).table
+    tables = AK.table_list(first)
+    AK.append_table(tables, second)
+    assert len(tables) == 2
+    for got, table in zip(tables, (first, second)):
+        assert np.shares_memory(got.regs, table.regs) and got.regs.shape == table.regs.shape
