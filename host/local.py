@@ -129,6 +129,8 @@ def choose_group(setting: str | None, default: str, probe, where: str) -> tuple[
     if setting == "auto" and T.io_mode() == "plain":
         return None, "results to each worker (multicast needs batched I/O; ZEROSUM_IO is plain)"
     group, _, port = (default, "", "") if setting == "auto" else setting.partition(":")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"multicast {setting!r}: {port} is not a port (1-65535); give GROUP[:PORT], auto or off")
     if not T.is_multicast(group):
         raise ValueError(f"multicast {setting!r}: {group} is not an IPv4 multicast address (224.0.0.0/4); "
                          "give GROUP[:PORT], auto or off")

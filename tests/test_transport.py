@@ -318,6 +318,9 @@ def test_results_go_by_multicast_on_loopback_where_it_works_and_to_each_worker_w
         [None, None, None, None, None, "239.1.2.3:5555"]
     with pytest.raises(ValueError, match="not an IPv4 multicast address"):
         local.results_group("10.0.0.1:5000")
+    for port in ("abc", "0", "65536", "-1"):
+        with pytest.raises(ValueError, match="is not a port"):
+            local.results_group(f"239.1.2.3:{port}")
     if problem is None:
         assert local.results_group("239.1.2.3:5555")[0] == "239.1.2.3:5555"
         assert local.results_group("auto")[0].startswith(local.LOOPBACK_GROUP + ":")
