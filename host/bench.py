@@ -353,6 +353,12 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def microseconds(value: float | None) -> str:
+    """CPU µs per datagram: whole µs, with a decimal below 10 (a veth run's MTU-sized datagrams cost a
+    fraction of one, which "0" would hide)."""
+    return _num(value, ".1f" if value is not None and value < 9.95 else ".0f")
+
+
 def table_cells(r: Mapping) -> list[str]:
     """One row of the table, in the order of COLUMNS ("-" where a value is missing)."""
     mb = lambda key: _num(r[key] / 1e6 if r.get(key) is not None else None, ".1f")  # noqa: E731
@@ -360,8 +366,8 @@ def table_cells(r: Mapping) -> list[str]:
             _num(r.get("gloo_s"), ".3f"),
             ratio_label(r["speedup"]) if r.get("speedup") else "-", mb("wire_bytes_per_worker"),
             mb("gloo_ring_bytes_per_worker"), _num(r.get("retransmitted_entries"), "d"),
-            _num(r.get("worker_cpu_us_per_datagram"), ".0f"),
-            _num(r.get("aggregator_cpu_us_per_datagram"), ".0f")]
+            microseconds(r.get("worker_cpu_us_per_datagram")),
+            microseconds(r.get("aggregator_cpu_us_per_datagram"))]
 
 
 def read_floor_summary(run: Mapping, size: int) -> str:

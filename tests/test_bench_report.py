@@ -10,8 +10,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from zerosum.bench import (COLUMNS, bench_table, counter_delta, plot, ratio_axis, ratio_label, read_floor_summary,
-                           recovery_summary, summarize_row, tick_label, window_total)
+from zerosum.bench import (COLUMNS, bench_table, counter_delta, microseconds, plot, ratio_axis, ratio_label,
+                           read_floor_summary, recovery_summary, summarize_row, tick_label, window_total)
 from zerosum.floor import makespan
 from zerosum.local import SNAPSHOT, LocalAggregator, SnapshotOnSignal
 
@@ -60,6 +60,11 @@ def test_the_table_shows_dashes_for_missing_values():
     out = render(bench_table(wide_results()))
     last = [line for line in out.splitlines() if line.strip().startswith("8  0.01")][0]
     assert last.split()[3:5] == ["-", "-"] and last.split()[-1] == "-"
+
+
+def test_cpu_per_datagram_keeps_a_decimal_below_10_us():
+    assert [microseconds(v) for v in (None, 0.2525, 1.6, 9.94, 9.96, 64.4, 1512.4)] == \
+        ["-", "0.3", "1.6", "9.9", "10", "64", "1512"]
 
 
 def test_counter_delta_and_window_total():
