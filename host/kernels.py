@@ -439,8 +439,10 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         at = data0 + row * B * 4
         if has:
             row += 1
-            # where the next sum goes, while this one is stored (unless it follows this one)
-            if not collect and i + 1 < nent:
+            # where the next sum goes, while this one is stored (unless it follows this one, or the float
+            # sums bypass the caches: streamed stores need no line in the cache, and asking for one reads
+            # it from memory only for the stores to evict it, the traffic streaming is there to save)
+            if not collect and not (stream and not is_int) and i + 1 < nent:
                 _, has1, block1, _, _, _ = read_entry(b, HDR + (i + 1) * ENT)
                 if has1 and block1 != block + 1:
                     T.prefetch(out_values, block1 * B, B)
