@@ -46,7 +46,7 @@ from .worker_state import (
     F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT,
     I_COLLECT, I_CONGESTION, I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT,
     I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N,
-    I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW, TAIL_PROBES, WorkerState)
+    I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW, OWN_BLOCK, OWN_EXP, OWN_ROW, TAIL_PROBES, WorkerState)
 
 
 # -- the block scan -------------------------------------------------------------------------------------
@@ -125,12 +125,13 @@ def scan_blocks(bits, block_size, is_int, blocks_out, exps_out):
 
 
 @njit(**JIT)
-def sort_by_column(blocks, exps, rows, columns, column_order, seq, seq_exp, seq_row, starts):
+def sort_by_column(blocks, exps, rows, columns, column_order, own, starts):
     """A worker's own non-zero blocks grouped by column (block b in column column_order[b % columns],
     or b % columns where column_order is empty), in one counting sort: column c's blocks are
-    seq[starts[c]:starts[c + 1]], in the order given (ascending, since the scan gives them sorted), with
-    their exponents and rows beside them, and seq[len(blocks)] = END. What np.argsort(kind="stable")
-    over the columns would give, without its O(n log n) and numpy's three gathers per allreduce."""
+    own[starts[c]:starts[c + 1], OWN_BLOCK], in the order given (ascending, since the scan gives them
+    sorted), with their exponents and rows beside them, and own[len(blocks), OWN_BLOCK] = END. What
+    np.argsort(kind="stable") over the columns would give, without its O(n log n) and numpy's three
+    gathers per allreduce."""
     n = blocks.shape[0]
     permuted = column_order.shape[0] > 0
     col = np.empty(n, np.int64)
@@ -154,10 +155,10 @@ def sort_by_column(blocks, exps, rows, columns, column_order, seq, seq_exp, seq_
     for k in range(n):
         p = fill[col[k]]
         fill[col[k]] = p + 1
-        seq[p] = blocks[k]
-        seq_exp[p] = exps[k]
-        seq_row[p] = rows[k]
-    seq[n] = END
+        own[p, OWN_BLOCK] = blocks[k]
+        own[p, OWN_EXP] = exps[k]
+        own[p, OWN_ROW] = rows[k]
+    own[n, OWN_BLOCK] = END
 
 
 # -- the worker's data path -----------------------------------------------------------------------------
@@ -215,25 +216,28 @@ def _store_floats(words, count, shift, divisor, out, dst):
 
 
 @njit(**JIT)
-def _mine(seq, mine_pos, col_stop, c, ahead):
+def _mine(own, mine_pos, col_stop, c, ahead):
     pos = mine_pos[c] + ahead
-    return seq[pos] if pos < col_stop[c] else END
+    return own[pos, OWN_BLOCK] if pos < col_stop[c] else END
 
 
 @njit(**JIT)
-def _mine_exp(seq_exp, mine_pos, col_stop, c, ahead):
+def _mine_exp(own, mine_pos, col_stop, c, ahead):
     pos = mine_pos[c] + ahead
-    return np.int64(seq_exp[pos]) if pos < col_stop[c] else NO_EXP
+    return own[pos, OWN_EXP] if pos < col_stop[c] else NO_EXP
+
+
+_SRC_AHEAD = 4   # encode_data asks for the tensor's block this many entries ahead of the one it quantises
 
 
 @njit(inline="always", **JIT)
-def _sends_data(seq, mine_pos, col_stop, round_block, c):
+def _sends_data(own, mine_pos, col_stop, round_block, c):
     """Whether column c's entry this round carries data: its round's block is the worker's own next one."""
-    return _mine(seq, mine_pos, col_stop, c, 0) == round_block[c]
+    return _mine(own, mine_pos, col_stop, c, 0) == round_block[c]
 
 
 @njit(**JIT)
-def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_data, budget, max_entries):
+def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_data, budget, max_entries):
     """Order cols[lo:hi], one aggregator's entries of a round in the order their results arrived (R-A8),
     so that cutting them into datagrams greedily (encode_data) fills each datagram: where the next data
     entry no longer fits, the header-only entries after it fill the room first. Data entries keep their
@@ -252,7 +256,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_
         count = 0
         while p < hi and count < max_entries:
             c = cols[p]
-            has = _sends_data(seq, mine_pos, col_stop, round_block, c)
+            has = _sends_data(own, mine_pos, col_stop, round_block, c)
             if not has and p < pulled:
                 p += 1
                 continue
@@ -269,7 +273,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_
         # cols[p] is a data entry that did not fit: header-only entries after it take the room
         q = max(pulled, p + 1)
         while count < max_entries and used + ENT <= budget:
-            while q < hi and _sends_data(seq, mine_pos, col_stop, round_block, cols[q]):
+            while q < hi and _sends_data(own, mine_pos, col_stop, round_block, cols[q]):
                 q += 1
             if q >= hi:
                 break
@@ -284,7 +288,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, seq, per_
 
 @njit(**JIT)
 def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, round_exp, mine_pos, col_stop,
-                seq, seq_exp, seq_row, src, src_n, is_int, precision, max_bytes, max_entries):
+                own, src, src_n, is_int, precision, max_bytes, max_entries):
     """Build the DATA datagrams of one round for `cols[:ncols]` (grouped by aggregator) into `out`.
 
     hdr = (job, rank, world, epoch, tensor_blocks, block_size). Entry per column: the data of its
@@ -292,8 +296,8 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
     worker's next non-zero block after it (docs/protocol.md, "A round"). Datagrams are cut by bytes
     (and `max_entries`) and per aggregator, after pack_entries has ordered each aggregator's entries
     (`order` is its scratch); cuts[k] = (aggregator, start, end) in `out`.
-    Data comes from `src` (flat values, `src_n` of them valid): row `seq_row[pos]` of it for the
-    worker's block at `seq[pos]`; rows past src_n are zero padding. Returns the number of datagrams.
+    Data comes from `src` (flat values, `src_n` of them valid): row own[pos, OWN_ROW] of it for the
+    worker's block own[pos, OWN_BLOCK]; rows past src_n are zero padding. Returns the number of datagrams.
     """
     B = hdr[5]
     per_data = B * 4
@@ -308,14 +312,14 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
             g = i + 1
             while g < ncols and cols[g] % aggregators == agg:
                 g += 1
-            pack_entries(cols, i, g, order, round_block, mine_pos, col_stop, seq, per_data, budget, max_entries)
+            pack_entries(cols, i, g, order, round_block, mine_pos, col_stop, own, per_data, budget, max_entries)
         # how many of the following columns fit in one datagram
         j = i
         used = 0
         rows = 0
         while j < ncols and cols[j] % aggregators == agg and j - i < max_entries:
             c = cols[j]
-            has = _sends_data(seq, mine_pos, col_stop, round_block, c)
+            has = _sends_data(own, mine_pos, col_stop, round_block, c)
             cost = ENT + (per_data if has else 0)
             if used + cost > budget and j > i:
                 break
@@ -328,25 +332,28 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
         for k in range(i, j):
             c = cols[k]
             block = round_block[c]
-            mine = _mine(seq, mine_pos, col_stop, c, 0)
+            mine = _mine(own, mine_pos, col_stop, c, 0)
             has = mine == block
             if has:
-                nxt = _mine(seq, mine_pos, col_stop, c, 1)
-                nexp = _mine_exp(seq_exp, mine_pos, col_stop, c, 1)
+                nxt = _mine(own, mine_pos, col_stop, c, 1)
+                nexp = _mine_exp(own, mine_pos, col_stop, c, 1)
             else:
                 nxt = mine
-                nexp = _mine_exp(seq_exp, mine_pos, col_stop, c, 0)
+                nexp = _mine_exp(own, mine_pos, col_stop, c, 0)
             put_entry(out, e, c // aggregators, HAS_DATA if has else 0, block, nxt, round_exp[c], nexp)
             e += ENT
-            # the next column's block, while this one is quantised (unless it follows this one in
-            # memory, as in dense data, where the hardware prefetcher sees it coming)
-            if k + 1 < j:
-                c1 = cols[k + 1]
-                if _sends_data(seq, mine_pos, col_stop, round_block, c1) and \
-                        not (has and seq_row[mine_pos[c1]] == seq_row[mine_pos[c]] + 1):
-                    T.prefetch(src, seq_row[mine_pos[c1]] * B, B)
+            # the block _SRC_AHEAD columns on, while this one is quantised (unless it follows the block
+            # before it in memory, as in dense data, where the hardware prefetcher sees it coming); one
+            # block ahead was too near to hide a miss to memory where results arrive out of block order
+            if k + _SRC_AHEAD < j:
+                c1, c0 = cols[k + _SRC_AHEAD], cols[k + _SRC_AHEAD - 1]
+                if _sends_data(own, mine_pos, col_stop, round_block, c1):
+                    row1 = own[mine_pos[c1], OWN_ROW]
+                    if not (_sends_data(own, mine_pos, col_stop, round_block, c0)
+                            and row1 == own[mine_pos[c0], OWN_ROW] + 1):
+                        T.prefetch(src, row1 * B, B)
             if has:
-                base = seq_row[mine_pos[c]] * B
+                base = own[mine_pos[c], OWN_ROW] * B
                 words = out32[d // 4: d // 4 + B]
                 valid = max(0, min(B, src_n - base))    # a short last block is zero-padded
                 if is_int:
@@ -370,18 +377,18 @@ VIOLATION_NO_DATA, VIOLATION_EXPONENT, VIOLATION_DTYPE, VIOLATION_SKIP = 1, 2, 3
 
 
 @njit(**JIT)
-def _violation(seq, mine_pos, col_stop, c, agreed_exp, is_int, has, block, nxt, exp, nexp):
+def _violation(own, mine_pos, col_stop, c, agreed_exp, is_int, has, block, nxt, exp, nexp):
     """R-L4: what is wrong with a RESULT for column c's current round `block` (APPLIED: nothing): data
     missing for a block this worker sent, data under another exponent than agreed, the other dtype's
     exponent for the next round, or a next round that skips a block this worker still has."""
-    sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
+    sent_data = _mine(own, mine_pos, col_stop, c, 0) == block
     if sent_data and not has:
         return VIOLATION_NO_DATA
     if has and exp != agreed_exp:
         return VIOLATION_EXPONENT
     if nxt != END and (nexp == INT_EXP) != is_int:
         return VIOLATION_DTYPE
-    if nxt > _mine(seq, mine_pos, col_stop, c, 1 if sent_data else 0):
+    if nxt > _mine(own, mine_pos, col_stop, c, 1 if sent_data else 0):
         return VIOLATION_SKIP
     return APPLIED
 
@@ -407,7 +414,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     bootstrap: the aggregator held what was resent (R-C4).
     """
     hdr, counts, round_block, round_exp = st.hdr, st.counts, st.round_block, st.round_exp
-    seq, mine_pos, col_stop = st.seq, st.mine_pos, st.col_stop
+    own, mine_pos, col_stop = st.own, st.mine_pos, st.col_stop
     deadline, rto, sent_at, status_seen = st.deadline, st.rto, st.sent_at, st.status_seen
     aggregators = st.probe.shape[0]
     is_int, precision, divisor = st.i[I_IS_INT] != 0, st.i[I_PRECISION], np.float32(st.f[F_DIVISOR])
@@ -426,7 +433,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
             slot, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
             c = slot * aggregators + aggregator
             if block == round_block[c]:
-                code = _violation(seq, mine_pos, col_stop, c, round_exp[c], is_int, has, block, nxt, exp, nexp)
+                code = _violation(own, mine_pos, col_stop, c, round_exp[c], is_int, has, block, nxt, exp, nexp)
                 if code != APPLIED:
                     return code, -1.0, block, marked
     rtt = -1.0
@@ -459,7 +466,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         if block != round_block[c]:
             counts[0] += 1
             continue
-        sent_data = _mine(seq, mine_pos, col_stop, c, 0) == block
+        sent_data = _mine(own, mine_pos, col_stop, c, 0) == block
         # a sample only from a round sent once (Karn's rule; R-C4: nor is it a reference for RACK)
         sampled = not st.resent[c] and not math.isnan(sent_at[c])
         if block != BOOT:
@@ -776,7 +783,7 @@ def receive_one(st, b, n, aggregator, now, ce):
 def encode_columns(st, ncols):
     """Build this round's entries for st.cols[:ncols], fused into datagrams; returns how many."""
     nd = encode_data(st.out, st.cuts, st.cols, ncols, st.order, st.probe.shape[0], st.hdr, st.round_block,
-                     st.round_exp, st.mine_pos, st.col_stop, st.seq, st.seq_exp, st.seq_row, st.src,
+                     st.round_exp, st.mine_pos, st.col_stop, st.own, st.src,
                      st.i[I_SOURCE_N], st.i[I_IS_INT] != 0, st.i[I_PRECISION], st.i[I_MAX_DATAGRAM],
                      st.i[I_MAX_ENTRIES])
     if nd:
@@ -835,7 +842,7 @@ def _raw_state(st):
     """st over the same memory, without reference counts (transport.raw)."""
     return WorkerState(
         T.raw(st.hdr), T.raw(st.round_block), T.raw(st.round_exp), T.raw(st.mine_pos),
-        T.raw(st.col_stop), T.raw(st.seq), T.raw(st.seq_exp), T.raw(st.seq_row), T.raw(st.src),
+        T.raw(st.col_stop), T.raw(st.own), T.raw(st.src),
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
         T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen),
         T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard), T.raw(st.slots_used),

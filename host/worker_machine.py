@@ -198,13 +198,12 @@ class AllreduceMachine:
         self.output = output
 
         S, A = layout.columns, layout.aggregators
-        # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of seq.
+        # Own non-zero blocks sorted by (column, block): a column's blocks are a contiguous run of own.
         k = len(source.blocks)
-        seq, seq_exp, seq_row = np.empty(k + 1, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)
+        own = np.empty((k + 1, 3), np.int64)
         starts = np.empty(S + 1, np.int64)
         K.sort_by_column(source.blocks, source.exps, source.rows, S,
-                         _NO_ORDER if layout.column_order is None else layout.column_order,
-                         seq, seq_exp, seq_row, starts)
+                         _NO_ORDER if layout.column_order is None else layout.column_order, own, starts)
         # The window (R-L6): at most `window` columns past their bootstrap in flight, admitted in column
         # order. `admitted` columns (a prefix) may send. The congestion window (R-C*) sets it as it goes.
         entry = P.ENTRY_SIZE + 4 * self.B
@@ -219,7 +218,7 @@ class AllreduceMachine:
         self.st = WS.WorkerState(
             hdr=np.array([config.job, config.rank, config.world, epoch, layout.nblocks, self.B], np.int64),
             round_block=np.full(S, P.BOOT, np.int64), round_exp=np.full(S, P.NO_EXP, np.int64),
-            mine_pos=starts[:-1].copy(), col_stop=starts[1:].copy(), seq=seq, seq_exp=seq_exp, seq_row=seq_row,
+            mine_pos=starts[:-1].copy(), col_stop=starts[1:].copy(), own=own,
             src=source.values, ready=np.zeros(S, bool), queue=np.zeros(S, np.int64), deadline=np.full(S, np.inf),
             rto=np.full(S, config.rto), sent_at=np.full(S, np.nan), sent_order=np.zeros(S, np.int64),
             resent=np.zeros(S, bool),

@@ -17,11 +17,10 @@ class WorkerState(NamedTuple):
     hdr: np.ndarray            # int64 [6]: job, rank, world, epoch, tensor_blocks, block_size
     round_block: np.ndarray    # int64 [S]: per column, the block of its current round (BOOT, END)
     round_exp: np.ndarray      # int64 [S]: its agreed exponent
-    mine_pos: np.ndarray       # int64 [S]: position in seq of the column's own next non-zero block
-    col_stop: np.ndarray       # int64 [S]: end of the column's run in seq
-    seq: np.ndarray            # int64: own non-zero blocks by (column, block), then END
-    seq_exp: np.ndarray        # int64: their exponents
-    seq_row: np.ndarray        # int64: their rows in src
+    mine_pos: np.ndarray       # int64 [S]: position in own of the column's own next non-zero block
+    col_stop: np.ndarray       # int64 [S]: end of the column's run in own
+    own: np.ndarray            # int64 [k + 1, 3]: own non-zero blocks by (column, block), each (block,
+    #                            exponent, row in src) side by side (OWN_*), then (END, -, -)
     src: np.ndarray            # float32 or uint32: the input values
     ready: np.ndarray          # bool [S]: the next round's entry is still to send
     queue: np.ndarray          # int64 [S]: the ready columns, i[I_QUEUED] of them, in the order their
@@ -72,6 +71,9 @@ class WorkerState(NamedTuple):
  I_COMPETITIVE, I_DRAINS, I_DELIVERED_COLUMN, I_QUEUED, I_SENT_ENTRIES, I_STREAM) = range(37)
 N_I = I_STREAM + 1
 N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
+# WorkerState.own's fields, side by side because every entry of a round reads them together: in three
+# arrays, each read was a cache miss of its own wherever the columns' runs differ in length
+OWN_BLOCK, OWN_EXP, OWN_ROW = range(3)
 # WorkerState.waiting_for of a round resent although a STATUS had said that the aggregator holds it: its
 # RESULT may have been lost (R-C4, R-L8); a STATUS that answers it is no spurious retransmission
 ASKED = -2

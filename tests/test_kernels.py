@@ -230,11 +230,10 @@ def test_sort_by_column_is_a_stable_argsort_by_column(nblocks, aggregators, slot
     exps = rng.integers(-149, 128, len(blocks)).astype(np.int32)
     rows = rng.integers(0, 1 << 40, len(blocks))
     by_column = np.argsort(layout.column_of_block(blocks), kind="stable")
-    seq, seq_exp, seq_row = (np.empty(len(blocks) + 1, np.int64), np.empty(len(blocks), np.int64),
-                             np.empty(len(blocks), np.int64))
+    own = np.full((len(blocks) + 1, 3), -7, np.int64)
     starts = np.full(S + 1, -7, np.int64)
-    K.sort_by_column(blocks, exps, rows, S, np.zeros(0, np.int64) if order is None else order,
-                     seq, seq_exp, seq_row, starts)
+    K.sort_by_column(blocks, exps, rows, S, np.zeros(0, np.int64) if order is None else order, own, starts)
+    seq, seq_exp, seq_row = own[:, K.OWN_BLOCK], own[:-1, K.OWN_EXP], own[:-1, K.OWN_ROW]
     assert seq[:-1].tolist() == blocks[by_column].tolist() and seq[-1] == K.END
     assert seq_exp.tolist() == exps[by_column].tolist() and seq_row.tolist() == rows[by_column].tolist()
     assert starts.tolist() == np.searchsorted(layout.column_of_block(blocks)[by_column], np.arange(S + 1)).tolist()
@@ -577,15 +576,15 @@ def test_pack_entries_fills_datagrams_and_keeps_each_kinds_order(has, block_size
     cols = np.arange(S, dtype=np.int64)
     cols[lo:lo + n] = lo + rng.permutation(n)
     round_block = np.full(S, 5, np.int64)
-    # a column holds data when its own next block is its round's block: seq[mine_pos[c]] == 5
-    seq = np.array([5, 9, P.END], np.int64)
+    # a column holds data when its own next block is its round's block: own[mine_pos[c]] is block 5
+    own = np.array([[5, 0, 0], [9, 0, 1], [P.END, 0, 0]], np.int64)
     mine_pos = np.full(S, 1, np.int64)
     col_stop = np.full(S, 2, np.int64)
     data_cols = {int(c) for c, h in zip(cols[lo:lo + n], has) if h}
     mine_pos[list(data_cols)] = 0
     per_data = 4 * block_size
     before = cols.copy()
-    K.pack_entries(cols, lo, lo + n, np.zeros(S, np.int64), round_block, mine_pos, col_stop, seq, per_data,
+    K.pack_entries(cols, lo, lo + n, np.zeros(S, np.int64), round_block, mine_pos, col_stop, own, per_data,
                    budget, max_entries)
     assert cols[:lo].tolist() == before[:lo].tolist() and cols[lo + n:].tolist() == before[lo + n:].tolist()
     got = cols[lo:lo + n].tolist()

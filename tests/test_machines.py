@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from netsim import join_all, run
 from zerosum import protocol as P
+from zerosum import worker_state as WS
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.reference import reference_allreduce
 
@@ -312,8 +313,8 @@ def test_a_violating_result_changes_nothing_and_fails_the_allreduce():
     assert list(m.round_block) == [0, 1]
     before = [m.st.round_block.copy(), m.st.mine_pos.copy(), m.st.ready.copy()]
     e = P.entries_array(2)
-    e[0] = (0, P.HAS_DATA, 0, 2, m.st.round_exp[0], m.st.seq_exp[2])       # right
-    e[1] = (1, P.HAS_DATA, 1, 3, m.st.round_exp[1] + 1, m.st.seq_exp[3])   # wrong exponent
+    e[0] = (0, P.HAS_DATA, 0, 2, m.st.round_exp[0], m.st.own[2, WS.OWN_EXP])       # right
+    e[1] = (1, P.HAS_DATA, 1, 3, m.st.round_exp[1] + 1, m.st.own[3, WS.OWN_EXP])   # wrong exponent
     bad = P.encode(P.Header(P.RESULT, 1, P.AGGREGATOR_RANK, 1, 1, 4, 4, 2), e, np.ones((2, 4), np.int32))
     with pytest.raises(ProtocolViolation, match="exponent"):
         m.receive(0, bad, 0.1)
