@@ -342,10 +342,12 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
                 nexp = _mine_exp(own, mine_pos, col_stop, c, 0)
             put_entry(out, e, c // aggregators, HAS_DATA if has else 0, block, nxt, round_exp[c], nexp)
             e += ENT
-            # the block _SRC_AHEAD columns on, while this one is quantised (unless it follows the block
-            # before it in memory, as in dense data, where the hardware prefetcher sees it coming); one
-            # block ahead was too near to hide a miss to memory where results arrive out of block order
-            if k + _SRC_AHEAD < j:
+            # the block _SRC_AHEAD columns on (in this datagram or the next), while this one is quantised
+            # (unless it follows the block before it in memory, as in dense data, where the hardware
+            # prefetcher sees it coming); one block ahead was too near to hide a miss to memory where
+            # results arrive out of block order, and with MTU-sized datagrams, one data entry each, the
+            # datagram's own entries left nothing to ask for
+            if k + _SRC_AHEAD < ncols:
                 c1, c0 = cols[k + _SRC_AHEAD], cols[k + _SRC_AHEAD - 1]
                 if _sends_data(own, mine_pos, col_stop, round_block, c1):
                     row1 = own[mine_pos[c1], OWN_ROW]
