@@ -35,7 +35,7 @@ from .stores import fence, stream_floats
 
 from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
                    H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, CONGESTION, END, ENT, HAS_DATA, HDR, INT_EXP, JIT,
-                   NO_EXP, OK, REPLY_FLAGS, check_entries, check_slots, copy_swapped as _copy_swapped, get16,
+                   E_SLOT, NO_EXP, OK, REPLY_FLAGS, check_entries, check_slots, copy_swapped as _copy_swapped, get16,
                    get32, put_entry, put_header, read_entry, store_swapped, swap32 as _swap)
 from .congestion import (
     detect_loss, drain_step, drain_timer, entries_per_datagram, measure, note_host_wait, on_mark, on_rounds,
@@ -248,6 +248,13 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_
     1.9 datagrams per sendmmsg message. Full datagrams all have one length, HDR + 16 * (budget // 16),
     since a block's bytes are a multiple of 16. The entries of one call share their send time (take_ready),
     so loss detection (R-C4) cannot tell the orders apart. `order` is scratch of at least hi - lo."""
+    # the columns' records in own (this one and the next, which encode_data reads), asked for at once
+    # (as apply_datagram does, and for the same reason: apart by a column's run, a miss each where
+    # runs differ in length)
+    for p in range(lo, hi):
+        pos = mine_pos[cols[p]]
+        T.prefetch(own, pos * 3, 3)
+        T.prefetch(own, pos * 3 + 3, 3)
     w = 0
     p = lo
     pulled = lo      # header-only entries in (p, pulled) went ahead already
@@ -430,6 +437,15 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         return -reason, -1.0, 0, False
     marked = (flags & CONGESTION) != 0
     if ptype == P.RESULT:
+        # Every entry's record in own asked for at once, before the checks below read them one by one: a
+        # column's records lie a column's run apart (own is by column), a constant stride that the
+        # hardware prefetcher follows only where every run has one length (dense input); where runs
+        # differ (density 0.99), each was a miss the checks waited for.
+        for i in range(nent):
+            c = get16(b, HDR + i * ENT + E_SLOT) * aggregators + aggregator
+            if c < mine_pos.shape[0]:     # the record and the next (the checks read both), 24 bytes each
+                T.prefetch(own, mine_pos[c] * 3, 3)
+                T.prefetch(own, mine_pos[c] * 3 + 3, 3)
         # R-L4, for every entry before any is applied: a violating datagram changes nothing
         for i in range(nent):
             slot, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
