@@ -236,6 +236,27 @@ def _sends_data(own, mine_pos, col_stop, round_block, c):
     return _mine(own, mine_pos, col_stop, c, 0) == round_block[c]
 
 
+@njit(inline="always", **JIT)
+def ask_for_records(own, mine_pos, buf, length, seg, aggregators, aggregator):
+    """Ask for the records in own of every entry in the datagrams of one received buffer (`length`
+    bytes cut at `seg`, from one aggregator) before they are applied: apply_datagram's checks read each
+    entry's record and the next (24 bytes each). own is by column, so the entries of a round read records
+    a column's run apart, a constant stride that the hardware prefetcher follows only where every run has
+    one length (dense input); where runs differ (density 0.99), each was a miss that the checks waited
+    for, one per datagram with MTU-sized ones. Nothing here is trusted: receive_one checks it all."""
+    S = mine_pos.shape[0]
+    off = 0
+    while off + HDR <= length:
+        size = min(seg, length - off)
+        nent = min(get16(buf, off + H_ENTRIES), (size - HDR) // ENT) if size >= HDR else 0
+        for e in range(nent):
+            c = get16(buf, off + HDR + e * ENT + E_SLOT) * aggregators + aggregator
+            if c < S:
+                T.prefetch(own, mine_pos[c] * 3, 3)
+                T.prefetch(own, mine_pos[c] * 3 + 3, 3)
+        off += seg
+
+
 @njit(**JIT)
 def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_data, budget, max_entries):
     """Order cols[lo:hi], one aggregator's entries of a round in the order their results arrived (R-A8),
@@ -437,15 +458,6 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         return -reason, -1.0, 0, False
     marked = (flags & CONGESTION) != 0
     if ptype == P.RESULT:
-        # Every entry's record in own asked for at once, before the checks below read them one by one: a
-        # column's records lie a column's run apart (own is by column), a constant stride that the
-        # hardware prefetcher follows only where every run has one length (dense input); where runs
-        # differ (density 0.99), each was a miss the checks waited for.
-        for i in range(nent):
-            c = get16(b, HDR + i * ENT + E_SLOT) * aggregators + aggregator
-            if c < mine_pos.shape[0]:     # the record and the next (the checks read both), 24 bytes each
-                T.prefetch(own, mine_pos[c] * 3, 3)
-                T.prefetch(own, mine_pos[c] * 3 + 3, 3)
         # R-L4, for every entry before any is applied: a violating datagram changes nothing
         for i in range(nent):
             slot, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
@@ -935,6 +947,8 @@ def _drive(fd, group, rx, tx, st, keys, loss, room, n, i, off):
                     a = k
             arrived = min(rx.arrived[i], now)
             noted = False
+            if off == 0 and a >= 0:
+                ask_for_records(st.own, st.mine_pos, rx.buf[i], length, seg, A, a)
             while off < length:
                 size = min(seg, length - off)
                 if st.i[I_COLLECT] and st.counts[1] + size // (4 * st.hdr[5]) > room:
