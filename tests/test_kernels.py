@@ -21,6 +21,7 @@ from netsim import run
 from zerosum import aggregator_kernels as AK
 from zerosum import kernels as K
 from zerosum import protocol as P
+from zerosum import transport as T
 from zerosum import wire as W
 from zerosum import worker_state as WS
 from zerosum.aggregator_machine import AggregatorMachine
@@ -599,6 +600,29 @@ def test_pack_entries_fills_datagrams_and_keeps_each_kinds_order(has, block_size
             assert all(c in data_cols for c in got[end:]), (start, end, used, got)
     arrival = [W.ENT + (per_data if c in data_cols else 0) for c in before[lo:lo + n].tolist()]
     assert len(cuts) <= len(_greedy_cuts(arrival, budget, max_entries))
+
+
+@pytest.mark.parametrize("max_bytes", [T.GSO_MAX_BYTES // 2 + 1, P.MAX_DATAGRAM])
+def test_pack_entries_keeps_the_arrival_order_of_datagrams_a_gso_message_holds_one_of(max_bytes):
+    """Datagrams of which one GSO message cannot hold two gain nothing from packing: the entries keep the
+    order their results arrived in, header-only entries behind data entries that fill a datagram
+    included (so rounds complete in their places, not ahead of them)."""
+    S = 300
+    cols = np.random.default_rng(1).permutation(S).astype(np.int64)
+    round_block = np.full(S, 5, np.int64)
+    own = np.array([[5, 0, 0], [9, 0, 1], [P.END, 0, 0]], np.int64)
+    mine_pos = np.zeros(S, np.int64)
+    mine_pos[cols[::7]] = 1            # every 7th column in arrival order is header-only
+    col_stop = np.full(S, 2, np.int64)
+    before = cols.copy()
+    budget = max_bytes - W.HDR
+    K.pack_entries(cols, 0, S, np.zeros(S, np.int64), round_block, mine_pos, col_stop, own, 4 * 256, budget,
+                   0xFFFF)
+    assert cols.tolist() == before.tolist()
+    # the same round in MTU-sized datagrams is packed: a header-only entry goes ahead of a data entry
+    K.pack_entries(cols, 0, S, np.zeros(S, np.int64), round_block, mine_pos, col_stop, own, 4 * 256, 1452,
+                   0xFFFF)
+    assert cols.tolist() != before.tolist() and sorted(cols.tolist()) == sorted(before.tolist())
 
 
 def test_mtu_sized_datagrams_of_a_sparse_round_have_one_length(monkeypatch):
