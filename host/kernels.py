@@ -237,13 +237,20 @@ def _sends_data(own, mine_pos, col_stop, round_block, c):
 
 
 @njit(inline="always", **JIT)
+def _ask_for_own(own, pos):
+    """Ask for own[pos] and own[pos + 1] in the cache: the checks of a result and encode_data read a
+    column's record and the next."""
+    T.prefetch(own, pos * own.shape[1], 2 * own.shape[1])
+
+
+@njit(inline="always", **JIT)
 def ask_for_records(own, mine_pos, buf, length, seg, aggregators, aggregator):
     """Ask for the records in own of every entry in the datagrams of one received buffer (`length`
-    bytes cut at `seg`, from one aggregator) before they are applied: apply_datagram's checks read each
-    entry's record and the next (24 bytes each). own is by column, so the entries of a round read records
-    a column's run apart, a constant stride that the hardware prefetcher follows only where every run has
-    one length (dense input); where runs differ (density 0.99), each was a miss that the checks waited
-    for, one per datagram with MTU-sized ones. Nothing here is trusted: receive_one checks it all."""
+    bytes cut at `seg`, from one aggregator) before they are applied (_ask_for_own). own is by column,
+    so the entries of a round read records a column's run apart, a constant stride that the hardware
+    prefetcher follows only where every run has one length (dense input); where runs differ (density
+    0.99), each was a miss that the checks waited for, one per datagram with MTU-sized ones. Nothing
+    here is trusted: receive_one checks it all."""
     S = mine_pos.shape[0]
     off = 0
     while off + HDR <= length:
@@ -252,8 +259,7 @@ def ask_for_records(own, mine_pos, buf, length, seg, aggregators, aggregator):
         for e in range(nent):
             c = get16(buf, off + HDR + e * ENT + E_SLOT) * aggregators + aggregator
             if c < S:
-                T.prefetch(own, mine_pos[c] * 3, 3)
-                T.prefetch(own, mine_pos[c] * 3 + 3, 3)
+                _ask_for_own(own, mine_pos[c])
         off += seg
 
 
@@ -280,9 +286,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_
     # (as ask_for_records does for results, and for the same reason: apart by a column's run, a miss
     # each where runs differ in length)
     for p in range(lo, hi):
-        pos = mine_pos[cols[p]]
-        T.prefetch(own, pos * 3, 3)
-        T.prefetch(own, pos * 3 + 3, 3)
+        _ask_for_own(own, mine_pos[cols[p]])
     if 2 * (HDR + budget) > T.GSO_MAX_BYTES:
         return
     w = 0
