@@ -20,34 +20,56 @@ def sparse_tensor(rank: int, seed: int, n: int, density: float, block_size: int 
     return x
 
 
-def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, exit_after_join, kill_after):
+def _worker_main(out, rank, world, addresses, seeds, n, density, kwargs, dtype, exit_after_join, killed):
     import os
-    import signal
-    import threading
     import zerosum
     try:
         with zerosum.Worker(rank, world, addresses, **kwargs) as w:
             if exit_after_join:     # die without a word (a clean close would send LEAVE)
                 os._exit(0)
-            if kill_after is not None:     # die hard in the middle of the allreduce
-                threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            if killed:              # die hard in the middle of the allreduce
+                _die_once_results_arrive()
             results = [w.allreduce(sparse_tensor(rank, s, n, density, w.block_size, dtype)) for s in seeds]
             out.put((rank, "ok", results, w.stats))
     except Exception as e:  # reported to the test, which asserts on it
         out.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
-def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(), killed=None,
+def _die_once_results_arrive():
+    """SIGKILL this process as soon as its first allreduce has received a datagram from the aggregator
+    (its bootstrap round completed, the rounds with this rank's data still to come): in the middle of
+    the allreduce whatever the machine's speed (a timer set when the rank joined had fired after a fast
+    allreduce of 16 MB had finished)."""
+    import os
+    import signal
+    import threading
+    import time
+    from zerosum import worker_state as WS
+    from zerosum.worker_machine import AllreduceMachine
+    begin = AllreduceMachine.begin
+
+    def begin_then_die(self, now):
+        begin(self, now)
+        received = self.st.i[WS.I_DATAGRAMS_RECEIVED]
+
+        def watch():
+            while self.st.i[WS.I_DATAGRAMS_RECEIVED] == received:
+                time.sleep(0.0002)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=watch, daemon=True).start()
+    AllreduceMachine.begin = begin_then_die
+
+
+def run_workers(world, addresses, seeds, n, density, *, dtype=np.float32, dead=(), killed=(),
                 hang_after=120, **kwargs):
     """Run `world` worker processes; return {rank: (status, payload, extra)} for the live ones.
 
-    dead: ranks that die right after joining (no LEAVE); killed: {rank: seconds} ranks SIGKILLed that long
-    after joining (in the middle of their first allreduce).
+    dead: ranks that die right after joining (no LEAVE); killed: ranks SIGKILLed in the middle of their
+    first allreduce (once it has received its first result).
     """
-    killed = killed or {}
     out = CTX.Queue()
     procs = [CTX.Process(target=_worker_main, args=(out, r, world, addresses, seeds, n, density, kwargs,
-                                                    dtype, r in dead, killed.get(r)), daemon=True)
+                                                    dtype, r in dead, r in killed), daemon=True)
              for r in range(world)]
     reports = collect(procs, out, world - len(dead) - len(killed), hang_after)
     return {rank: (status, payload, extra) for rank, status, payload, extra in reports}
