@@ -213,6 +213,31 @@ def test_nan_and_inf_name_the_first_bad_block(n, block_size, offset, bad_bits, s
     assert kernel_scan(x, block_size)[2] == first
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 256])
+def test_scan_finds_a_block_at_every_place_of_its_group(block_size):
+    """The float scan looks at blocks in groups of K.SCAN_GROUP (a zero group as one span) and four at
+    a time: a lone non-zero block, a NaN between two non-zero blocks, and a zero group behind a dense one
+    are found at every place of a group, in whole groups and in the blocks after the last one."""
+    G = K.SCAN_GROUP
+    nblocks = 3 * G + 5
+    for p in range(nblocks):
+        x = np.zeros(nblocks * block_size, np.float32)
+        x[p * block_size + block_size - 1] = np.float32(-3.0)
+        assert [b.tolist() for b in kernel_scan(x, block_size)[:2]] == [[p], [2]]
+        # a dense group first, then only block p (the scan leaves its dense pace behind a zero group)
+        x[: G * block_size] = np.float32(0.25)
+        x[p * block_size + block_size - 1] = np.float32(-3.0)
+        want = sorted(set(range(G)) | {p})
+        b, e, bad = kernel_scan(x, block_size)
+        assert bad == -1 and b.tolist() == want and e.tolist() == [2 if i == p else -1 for i in want]
+        if 0 < p < nblocks - 1:
+            y = np.zeros(nblocks * block_size, np.float32)
+            y[(p - 1) * block_size] = y[(p + 1) * block_size] = np.float32(1.0)
+            y.view(np.uint32)[p * block_size + block_size // 2] = 0x7FC00000
+            b, e, bad = kernel_scan(y, block_size)
+            assert bad == p and b.tolist() == [p - 1] and e.tolist() == [1]
+
+
 # -- grouping a worker's blocks by column ----------------------------------------------------------------
 
 @settings(max_examples=200, deadline=None)
