@@ -328,6 +328,13 @@ def ask_for_records(own, mine_pos, buf, length, seg, aggregators, aggregator):
         off += seg
 
 
+@njit(inline="always", **JIT)
+def fills_datagrams(budget):
+    """Whether pack_entries fills datagrams of `budget` bytes after the packet header out of R-A8's
+    order: only where one GSO message holds two of them (see pack_entries)."""
+    return 2 * (HDR + budget) <= T.GSO_MAX_BYTES
+
+
 @njit(**JIT)
 def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_data, budget, max_entries):
     """Order cols[lo:hi], one aggregator's entries of a round in the order their results arrived (R-A8),
@@ -352,7 +359,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_
     # each where runs differ in length)
     for p in range(lo, hi):
         _ask_for_own(own, mine_pos[cols[p]])
-    if 2 * (HDR + budget) > T.GSO_MAX_BYTES:
+    if not fills_datagrams(budget):
         return
     w = 0
     p = lo

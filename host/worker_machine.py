@@ -271,11 +271,16 @@ class AllreduceMachine:
         self.tail_probes = 0
         self.retransmitted = 0
         # per aggregator: the probe out is a tail probe (R-L8); the column it resent, that round's place
-        # in the sending order before (sent_order), and when it could first be sent (ready_at)
+        # in the sending order before (sent_order), when it could first be sent (ready_at) and was sent
         self._tail_out = np.zeros(A, bool)
         self._tail_column = np.full(A, -1, np.int64)
         self._tail_order = np.zeros(A, np.int64)
         self._tail_ready = np.zeros(A)
+        self._tail_sent = np.zeros(A)
+        # Filled datagrams (MTU-sized ones, "Fusion") send a rank's header-only entries ahead of its data
+        # entries: ranks then do not send a flush's rounds in one order, and none counts as before another.
+        self._flush_in_one_order = not K.fills_datagrams(min(config.max_datagram, P.MAX_DATAGRAM)
+                                                         - P.PACKET_HEADER_SIZE)
         self._tail_probe_of = np.empty(A, np.int64)   # scratch for kernels.tail_candidates
         # per aggregator, the other columns whose timers had expired when its probe went out, and their
         # rounds then (probe_answered: did any of them complete without being resent?)
@@ -499,6 +504,7 @@ class AllreduceMachine:
                 st.tail_armed[a] = 0                      # the round sent first is the one just asked after
                 continue
             self._tail_order[a], self._tail_ready[a] = st.sent_order[c], st.ready_at[c]
+            self._tail_sent[a] = st.sent_at[c]
             st.sent_at[c], st.resent[c] = now, True       # no round-trip sample from it (Karn's rule)
             st.probe[a] = c
             st.waiting_for[c] = WS.ASKED                  # a STATUS answering it is no spurious resend (R-C4)
@@ -586,8 +592,11 @@ class AllreduceMachine:
         # (and, as R-C4, only columns up to the probed one where ranks' windows may differ: a column past
         # it may not be admitted yet by a rank with a smaller window)
         cols = cols[cols < CC.judged_columns(st, self._tail_column[a])]
+        before = st.sent_order[cols] < self._tail_order[a]
+        if not self._flush_in_one_order:
+            before &= st.sent_at[cols] != self._tail_sent[a]     # not of the probed round's flush
         lost = cols[(st.round_block[cols] != P.END) & np.isfinite(st.deadline[cols])
-                    & (st.sent_order[cols] < self._tail_order[a]) & (st.ready_at[cols] <= self._tail_ready[a])]
+                    & before & (st.ready_at[cols] <= self._tail_ready[a])]
         if len(lost):
             st.deadline[lost] = np.minimum(st.deadline[lost], now)
             st.waiting_for[lost[st.status_seen[lost]]] = WS.ASKED

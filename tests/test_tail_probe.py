@@ -20,7 +20,7 @@ B = 4
 PATH = PathEstimate(srtt=0.002, rttvar=0.0005, cwnd=np.inf, ssthresh=np.inf, min_rtt=0.001)
 
 
-def _machines(world=2, n=64, path=PATH, max_entries=0xFFFF, xs_of=None, windows=None):
+def _machines(world=2, n=64, path=PATH, max_entries=0xFFFF, xs_of=None, windows=None, max_datagram=P.MAX_DATAGRAM):
     """An aggregator with 8 slots and the ranks' machines, starting from `path`; each rank's input is
     xs_of(rank) (default: 1..n times rank + 1); `windows`: each rank's fixed window in columns (default:
     none)."""
@@ -32,7 +32,7 @@ def _machines(world=2, n=64, path=PATH, max_entries=0xFFFF, xs_of=None, windows=
         src = BlockSource.dense(x, B)
         window = None if windows is None else windows[r] * (P.ENTRY_SIZE + 4 * B)
         cfg = WorkerConfig(r, world, 1, block_size=B, timeout=100.0, max_entries=max_entries, window=window,
-                           congestion=windows is None)
+                           congestion=windows is None, max_datagram=max_datagram)
         ms.append(AllreduceMachine(cfg, 1, src, Layout(1, slots, src.nblocks), DenseResult(np.zeros(n, np.float32)),
                                    path=path))
     return agg, ms, xs
@@ -110,11 +110,11 @@ def test_no_tail_probe_before_a_round_trip_was_measured():
     assert ms[0].tail_probes == 0 and ms[0].probes == 1 and end >= 0.2
 
 
-def _sparse_machines():
+def _sparse_machines(max_datagram=P.MAX_DATAGRAM):
     """Both ranks hold data in columns 0, 1 and 2 only (blocks 0-2 and 8-10 of 16; 8 columns), one
     entry per datagram; the bootstrap round is exchanged at 0.0, so those three columns' first rounds
     are ready to send, and the other columns have ended."""
-    agg, ms, xs = _machines(max_entries=1, xs_of=lambda r: np.where(
+    agg, ms, xs = _machines(max_entries=1, max_datagram=max_datagram, xs_of=lambda r: np.where(
         np.isin(np.arange(64) // B, [0, 1, 2, 8, 9, 10]), np.arange(1, 65, dtype=np.float32) * (r + 1), 0))
     for m in ms:
         m.begin(0.0)
@@ -149,6 +149,49 @@ def test_the_rounds_sent_before_a_tail_probes_round_are_resent_at_once_when_it_g
     assert _exact([m0, m1], xs)
     assert m0.tail_probes == 1 and m0.probes == 1 and m0.retransmitted == 2
     assert end < 0.034
+
+
+@pytest.mark.parametrize("max_datagram, overdue", [(P.MAX_DATAGRAM, 2), (1472, 0)])
+def test_where_datagrams_are_filled_a_tail_probes_result_says_nothing_of_its_own_flush(max_datagram, overdue):
+    """Rank 0 sends its three columns' rounds in one flush; its entry of column 2 is lost. Of rank 1's,
+    only column 2's arrives: where datagrams are filled (MTU-sized ones, "Fusion"), a rank's header-only
+    entries go ahead of its data entries, and rank 1 stalled after that one. The tail probe resends
+    column 2's round, which completes. With datagrams that keep R-A8's order, rank 1 had sent columns 0
+    and 1 before column 2, so they are overdue (resent); with filled ones the result says nothing of the
+    rounds of the probed round's flush, which the aggregator holds and which wait for rank 1."""
+    agg, (m0, m1), xs = _sparse_machines(max_datagram)
+    sent = m0.datagrams_to_send(0.001)
+    assert _columns(sent) == [0, 1, 2]
+    for _, d in sent[:2]:                                     # column 2's is lost
+        agg.receive(bytes(d), ("w", 0), 0.001)
+    rank1 = m1.datagrams_to_send(0.001)
+    assert _columns(rank1) == [0, 1, 2]
+    agg.receive(bytes(rank1[2][1]), ("w", 1), 0.001)          # rank 1 stalls after its column 2 entry
+    assert agg.datagrams_to_send(0.001) == []
+    at = m0.timer()
+    probe = m0.datagrams_to_send(at)
+    assert _columns(probe) == [2] and m0.tail_probes == 1
+    later = []                                                # what reaches rank 1 once it is back
+    agg.receive(bytes(probe[0][1]), ("w", 0), at)
+    for dests, x in agg.datagrams_to_send(at):
+        for _, rank in dests:
+            m0.receive(0, x, at) if rank == 0 else later.append(x)
+    resent = [(a, bytes(d)) for a, d in m0.datagrams_to_send(at)]  # column 2's next round,
+    resent += [(a, bytes(d)) for a, d in m0.datagrams_to_send(at)]  # then what is overdue
+    assert sorted(_columns(resent)) == sorted([0, 1][:overdue] + [2]) and m0.retransmitted == overdue
+    for _, d in resent:
+        agg.receive(bytes(d), ("w", 0), at)
+    for dests, x in agg.datagrams_to_send(at):
+        for _, rank in dests:
+            m0.receive(0, x, at) if rank == 0 else later.append(x)
+    m0.datagrams_to_send(at)
+    assert m0.spurious_entries == overdue                     # what was resent, the aggregator held
+    for x in later:                                           # rank 1 is back
+        m1.receive(0, x, at)
+    for _, d in rank1[:2]:
+        agg.receive(bytes(d), ("w", 1), at)
+    _run(agg, [m0, m1], at, until=at + 0.5)
+    assert _exact([m0, m1], xs)
 
 
 def test_after_a_status_the_second_tail_probe_asks_for_the_round_sent_first():
