@@ -164,9 +164,10 @@ def scan_blocks(bits, block_size, is_int, blocks_out, exps_out):
     """Find the non-zero blocks of a flat float32/int32 tensor seen as int32 `bits`.
 
     Writes their indices and exponents (frexp of the largest magnitude; INT_EXP for int32 data) and
-    returns (count, first block holding NaN or infinity, or -1). Each value is read once, at a streaming
-    read's speed for dense and sparse data alike (float data in groups: _scan_float_groups; the blocks
-    after the last whole group, and int32 data, one by one). Asking for the block behind a zero block
+    returns (count, first block holding NaN or infinity, or -1). Each value comes from memory once (a
+    non-zero group of float data behind a zero one is read again from the cache), at a streaming read's
+    speed for dense and sparse data alike (float data in groups: _scan_float_groups; the blocks after the
+    last whole group, and int32 data, one by one). Asking for the block behind a zero block
     (transport.prefetch), which an earlier two-pass scan needed, made this one a third slower.
     """
     n = bits.shape[0]
