@@ -151,47 +151,89 @@ def test_the_rounds_sent_before_a_tail_probes_round_are_resent_at_once_when_it_g
     assert end < 0.034
 
 
-@pytest.mark.parametrize("max_datagram, overdue", [(P.MAX_DATAGRAM, 2), (1472, 0)])
-def test_where_datagrams_are_filled_a_tail_probes_result_says_nothing_of_its_own_flush(max_datagram, overdue):
-    """Rank 0 sends its three columns' rounds in one flush; its entry of column 2 is lost. Of rank 1's,
-    only column 2's arrives: where datagrams are filled (MTU-sized ones, "Fusion"), a rank's header-only
-    entries go ahead of its data entries, and rank 1 stalled after that one. The tail probe resends
-    column 2's round, which completes. With datagrams that keep R-A8's order, rank 1 had sent columns 0
-    and 1 before column 2, so they are overdue (resent); with filled ones the result says nothing of the
-    rounds of the probed round's flush, which the aggregator holds and which wait for rank 1."""
+@pytest.mark.parametrize("max_datagram", [P.MAX_DATAGRAM, 1472])
+def test_one_entry_per_datagram_keeps_the_order_a_tail_probes_result_judges_by(max_datagram):
+    """One entry per datagram (a switch's size), of any length, keeps R-A8's order: rank 0's entry of
+    column 2 is lost, and of rank 1's only column 2's arrives (rank 1 stalled after it, so it had sent
+    columns 0 and 1 before it). The tail probe resends column 2's round, which completes, and the two
+    rounds sent before it are overdue: resent at once (the aggregator held them)."""
     agg, (m0, m1), xs = _sparse_machines(max_datagram)
     sent = m0.datagrams_to_send(0.001)
     assert _columns(sent) == [0, 1, 2]
     for _, d in sent[:2]:                                     # column 2's is lost
         agg.receive(bytes(d), ("w", 0), 0.001)
     rank1 = m1.datagrams_to_send(0.001)
-    assert _columns(rank1) == [0, 1, 2]
-    agg.receive(bytes(rank1[2][1]), ("w", 1), 0.001)          # rank 1 stalls after its column 2 entry
-    assert agg.datagrams_to_send(0.001) == []
+    agg.receive(bytes(rank1[2][1]), ("w", 1), 0.001)
     at = m0.timer()
     probe = m0.datagrams_to_send(at)
     assert _columns(probe) == [2] and m0.tail_probes == 1
-    later = []                                                # what reaches rank 1 once it is back
     agg.receive(bytes(probe[0][1]), ("w", 0), at)
+    later = []                                                # what reaches rank 1 once it is back
     for dests, x in agg.datagrams_to_send(at):
         for _, rank in dests:
             m0.receive(0, x, at) if rank == 0 else later.append(x)
     resent = [(a, bytes(d)) for a, d in m0.datagrams_to_send(at)]  # column 2's next round,
     resent += [(a, bytes(d)) for a, d in m0.datagrams_to_send(at)]  # then what is overdue
-    assert sorted(_columns(resent)) == sorted([0, 1][:overdue] + [2]) and m0.retransmitted == overdue
+    assert sorted(_columns(resent)) == [0, 1, 2] and m0.retransmitted == 2
     for _, d in resent:
         agg.receive(bytes(d), ("w", 0), at)
     for dests, x in agg.datagrams_to_send(at):
         for _, rank in dests:
             m0.receive(0, x, at) if rank == 0 else later.append(x)
     m0.datagrams_to_send(at)
-    assert m0.spurious_entries == overdue                     # what was resent, the aggregator held
+    assert m0.spurious_entries == 2                           # the aggregator held both
     for x in later:                                           # rank 1 is back
         m1.receive(0, x, at)
     for _, d in rank1[:2]:
         agg.receive(bytes(d), ("w", 1), at)
     _run(agg, [m0, m1], at, until=at + 0.5)
     assert _exact([m0, m1], xs)
+
+
+def test_where_datagrams_are_filled_a_tail_probes_result_says_nothing_of_its_own_flush():
+    """Datagrams of 68 bytes hold a data entry (32 bytes with 4-value blocks) and a header-only one,
+    and rank 1, without data in column 2, fills its first datagram with column 2's header-only entry
+    (Fusion): [0, 2], [1]. Rank 0 sends [0], [1], [2], and its entries of columns 0 and 2 are lost;
+    rank 1 stalls after its first datagram. The tail probe resends column 2's round, which completes:
+    that says nothing of the other rounds of the same flush. Column 1's waits for rank 1 and is not
+    resent; column 0's, lost, is found once column 2's next round completes (R-C4)."""
+    nonzero = {0: [0, 1, 2, 8, 9, 10], 1: [0, 1, 8, 9, 10]}
+    agg, (m0, m1), xs = _machines(max_datagram=P.PACKET_HEADER_SIZE + 3 * P.ENTRY_SIZE, xs_of=lambda r: np.where(
+        np.isin(np.arange(64) // B, nonzero[r]), np.arange(1, 65, dtype=np.float32) * (r + 1), 0))
+    for m in (m0, m1):
+        m.begin(0.0)
+    for r, m in enumerate((m0, m1)):                          # the bootstrap round
+        for _, d in m.datagrams_to_send(0.0):
+            agg.receive(bytes(d), ("w", r), 0.0)
+    for dests, x in agg.datagrams_to_send(0.0):
+        for _, rank in dests:
+            (m0, m1)[rank].receive(0, x, 0.0)
+    sent = [bytes(d) for _, d in m0.datagrams_to_send(0.001)]
+    rank1 = [bytes(d) for _, d in m1.datagrams_to_send(0.001)]
+    assert [P.decode(d).slot.tolist() for d in sent] == [[0], [1], [2]]
+    assert [P.decode(d).slot.tolist() for d in rank1] == [[0, 2], [1]]       # filled
+    agg.receive(sent[1], ("w", 0), 0.001)                     # rank 0's columns 0 and 2 are lost
+    agg.receive(rank1[0], ("w", 1), 0.001)                    # rank 1 stalls after its first datagram
+    at = m0.timer()
+    probe = [bytes(d) for _, d in m0.datagrams_to_send(at)]
+    assert [P.decode(d).slot.tolist() for d in probe] == [[2]] and m0.tail_probes == 1
+    agg.receive(probe[0], ("w", 0), at)
+    later = []
+    for dests, x in agg.datagrams_to_send(at):
+        for _, rank in dests:
+            m0.receive(0, x, at) if rank == 0 else later.append(x)
+    assert m0.round_block[2] == 10                            # column 2's round completed
+    nxt = [bytes(d) for _, d in m0.datagrams_to_send(at)] + [bytes(d) for _, d in m0.datagrams_to_send(at)]
+    assert [P.decode(d).slot.tolist() for d in nxt] == [[2]] and m0.retransmitted == 0   # its next round only
+    for d in nxt:
+        agg.receive(d, ("w", 0), at)
+    for x in later:                                           # rank 1 is back
+        m1.receive(0, x, at)
+    agg.receive(rank1[1], ("w", 1), at)
+    end = _run(agg, [m0, m1], at, until=at + 0.5)
+    assert _exact([m0, m1], xs)
+    assert m0.retransmitted == 1 and m0.spurious_entries == 0      # column 0's, the lost one, only
+    assert m0.tail_probes == 1 and end == at                   # no timer waited for
 
 
 def test_after_a_status_the_second_tail_probe_asks_for_the_round_sent_first():
