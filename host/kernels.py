@@ -51,6 +51,18 @@ from .worker_state import (
 
 # -- the block scan -------------------------------------------------------------------------------------
 
+_MAGNITUDE = np.int32(0x7FFFFFFF)
+
+
+@njit(inline="always", **JIT)
+def _largest_magnitude(x):
+    """The largest `bits & 0x7FFFFFFF` of the float32 bits x: the bits of the largest magnitude."""
+    m = np.int32(0)
+    for i in range(x.shape[0]):
+        m = max(m, np.int32(x[i] & _MAGNITUDE))
+    return m
+
+
 @njit(inline="always", **JIT)
 def _block_exponent(x, is_int):
     """frexp exponent of the largest magnitude in the block x (INT_EXP for non-zero int32 data), NO_EXP
@@ -68,10 +80,7 @@ def _block_exponent(x, is_int):
         for i in range(x.shape[0]):
             o = np.int32(o | x[i])
         return INT_EXP if o != 0 else NO_EXP
-    m = np.int32(0)
-    for i in range(x.shape[0]):
-        m = max(m, np.int32(x[i] & np.int32(0x7FFFFFFF)))
-    return _float_exponent(m)
+    return _float_exponent(_largest_magnitude(x))
 
 
 @njit(**JIT)
@@ -94,7 +103,6 @@ def _float_exponent(m):
 
 # Blocks of float data that one pass looks at together before looking at them one by one.
 SCAN_GROUP = 16
-_MAGNITUDE = np.int32(0x7FFFFFFF)
 
 
 @njit(inline="always", **JIT)
@@ -137,13 +145,8 @@ def _scan_float_groups(bits, block_size, blocks_out, exps_out):
     dense = False
     for g in range(groups):
         first = g * SCAN_GROUP
-        if not dense:
-            span = bits[first * block_size: (first + SCAN_GROUP) * block_size]
-            m = np.int32(0)
-            for i in range(span.shape[0]):
-                m = max(m, np.int32(span[i] & _MAGNITUDE))
-            if m == 0:
-                continue
+        if not dense and _largest_magnitude(bits[first * block_size: (first + SCAN_GROUP) * block_size]) == 0:
+            continue
         before = count
         for blk in range(first, first + SCAN_GROUP, 4):
             m0, m1, m2, m3 = _four_magnitudes(bits, blk * block_size, block_size)
