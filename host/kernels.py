@@ -333,10 +333,11 @@ def ask_for_records(own, mine_pos, buf, length, seg, aggregators, aggregator):
 
 
 @njit(inline="always", **JIT)
-def fills_datagrams(budget):
-    """Whether pack_entries fills datagrams of `budget` bytes after the packet header out of R-A8's
-    order: only where one GSO message holds two of them (see pack_entries)."""
-    return 2 * (HDR + budget) <= T.GSO_MAX_BYTES
+def fills_datagrams(budget, max_entries):
+    """Whether pack_entries fills datagrams of `budget` bytes after the packet header (and at most
+    `max_entries` entries) out of R-A8's order: only where one GSO message holds two of them and a
+    datagram more than one entry (see pack_entries)."""
+    return max_entries > 1 and 2 * (HDR + budget) <= T.GSO_MAX_BYTES
 
 
 @njit(**JIT)
@@ -363,7 +364,7 @@ def pack_entries(cols, lo, hi, order, round_block, mine_pos, col_stop, own, per_
     # each where runs differ in length)
     for p in range(lo, hi):
         _ask_for_own(own, mine_pos[cols[p]])
-    if not fills_datagrams(budget):
+    if not fills_datagrams(budget, max_entries):
         return
     w = 0
     p = lo

@@ -280,8 +280,8 @@ class AllreduceMachine:
         # Filled datagrams (MTU-sized ones of more than one entry, "Fusion") send a rank's header-only
         # entries ahead of its data entries: ranks then do not send a flush's rounds in one order, and
         # none counts as before another.
-        self._flush_in_one_order = config.max_entries == 1 or not K.fills_datagrams(
-            min(config.max_datagram, P.MAX_DATAGRAM) - P.PACKET_HEADER_SIZE)
+        self._flush_in_one_order = not K.fills_datagrams(
+            min(config.max_datagram, P.MAX_DATAGRAM) - P.PACKET_HEADER_SIZE, config.max_entries)
         self._tail_probe_of = np.empty(A, np.int64)   # scratch for kernels.tail_candidates
         # per aggregator, the other columns whose timers had expired when its probe went out, and their
         # rounds then (probe_answered: did any of them complete without being resent?)
