@@ -84,7 +84,9 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
         except ImportError:
             dist = None
     # Every timed allreduce starts together, with or without gloo: a rank that started while another was
-    # still restoring its input would count that wait as ZeroSum's time, or miss it.
+    # still restoring its input would count that wait as ZeroSum's time, or miss it. And every rank
+    # waits for the others to finish before it restores its input: a rank that finished first copied
+    # its 100 MB while the others still reduced, on the same cores and memory bus.
     barrier = dist.barrier if dist else (lambda: sync.wait(CHECKPOINT_TIMEOUT))
 
     def checkpoint(row: int, phase: str) -> None:
@@ -115,6 +117,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                 data.wait()
                 dt = time.perf_counter() - t0
                 marks.append((before, _meter(w)))
+                barrier()
                 if i == 0:
                     result = data.result()
                     digest = hashlib.sha1(result.tobytes()).hexdigest()
@@ -137,6 +140,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                     dist.all_reduce(data.y_tensor())
                     data.wait()
                     dt = time.perf_counter() - t0
+                    barrier()
                     if i >= plan["warmup"]:
                         base.append(dt)
                     events.put(("step", rank))
