@@ -86,7 +86,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
     # Every timed allreduce starts together, with or without gloo: a rank that started while another was
     # still restoring its input would count that wait as ZeroSum's time, or miss it. And every rank
     # waits for the others to finish before it restores its input: a rank that finished first copied
-    # its 100 MB while the others still reduced, on the same cores and memory bus.
+    # its whole tensor while the others still reduced, on the same cores and memory bus.
     barrier = dist.barrier if dist else (lambda: sync.wait(CHECKPOINT_TIMEOUT))
 
     def checkpoint(row: int, phase: str) -> None:
