@@ -52,6 +52,7 @@ from .worker_state import (
 # -- the block scan -------------------------------------------------------------------------------------
 
 _MAGNITUDE = np.int32(0x7FFFFFFF)
+_NOT_FINITE = np.int32(0x7F800000)   # magnitudes (as bits) from infinity's up are infinity or NaN
 
 
 @njit(inline="always", **JIT)
@@ -88,7 +89,7 @@ def _float_exponent(m):
     """frexp exponent of the float32 magnitude with bits m; NO_EXP for 0, INT_EXP + 1 for NaN/inf."""
     if m == 0:
         return NO_EXP
-    if m >= np.int32(0x7F800000):
+    if m >= _NOT_FINITE:
         return INT_EXP + 1
     biased = np.int64(m) >> 23
     if biased > 0:
@@ -152,7 +153,7 @@ def _scan_float_groups(bits, block_size, blocks_out, exps_out):
             m0, m1, m2, m3 = _four_magnitudes(bits, blk * block_size, block_size)
             if (m0 | m1 | m2 | m3) == 0:
                 continue
-            if max(max(m0, m1), max(m2, m3)) >= np.int32(0x7F800000):
+            if max(max(m0, m1), max(m2, m3)) >= _NOT_FINITE:
                 return count, blk          # NaN or infinity among these four: scan_blocks looks one by one
             count = _note_block(blk, m0, blocks_out, exps_out, count)
             count = _note_block(blk + 1, m1, blocks_out, exps_out, count)
