@@ -42,6 +42,8 @@ REGISTERS = ("slot_epoch", "slot_block", "slot_exp", "slot_tensor_blocks", "bitm
 REGISTER_RESET = (-1, spec.END, spec.NO_EXP, 0, 0, 0, spec.END, spec.NO_EXP, 0, 0, spec.END, spec.END,
                   spec.NO_EXP, spec.NO_EXP, 0, 0, 0, 0, 0)
 
+_POOL_AHEAD = 8   # contribute asks for the slot bank this many entries ahead of the one it adds
+
 # counters[] indices (spec.COUNTERS order) that the data path counts
 _C = spec.COUNTER_INDEX
 C_DATAGRAMS, C_ROUNDS, C_DUPLICATES, C_RETRANSMISSIONS = (_C[n] for n in (
@@ -141,6 +143,13 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
         at = data0 + row * block_size * 4
         if has:
             row += 1
+        # the bank that the entry _POOL_AHEAD on adds to, while this one is added: the banks' 2 MiB per
+        # 2,048 slots leave the caches under the datagrams' traffic, and the add waited on them even where
+        # the slots follow each other (dense data)
+        if i + _POOL_AHEAD < nent:
+            s1, has1, _, _, _, _ = read_entry(b, HDR + (i + _POOL_AHEAD) * ENT)
+            if has1:
+                T.prefetch(pool, (2 * s1 + regs[s1, BANK]) * block_size, block_size)
         # R-A1: a bootstrap entry of a newer epoch starts the slot's next allreduce; the previous round
         # (prev_*, the other bank) is kept, so a worker that lost the old epoch's last result still gets
         # it. An abandoned round's partial sum needs no clearing: the next data is written over it.
