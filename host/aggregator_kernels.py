@@ -143,9 +143,9 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
         at = data0 + row * block_size * 4
         if has:
             row += 1
-        # the bank that the entry _POOL_AHEAD on adds to, while this one is added: the banks' 2 MiB per
-        # 2,048 slots leave the caches under the datagrams' traffic, and the add waited on them even where
-        # the slots follow each other (dense data)
+        # the bank that the entry _POOL_AHEAD on adds to, while this one is added: the banks (4 MiB for
+        # 2,048 slots of 256 values) leave the caches under the datagrams' traffic, and the add waited on
+        # them even where the slots follow each other (dense data)
         if i + _POOL_AHEAD < nent:
             s1, has1, _, _, _, _ = read_entry(b, HDR + (i + _POOL_AHEAD) * ENT)
             if has1:
