@@ -254,6 +254,14 @@ def encode_slots(t, slots, nslots, status, epoch, tensor_blocks, to_all):
         d = e + (j - i) * ENT
         for k in range(i, j):
             s = slots[k]
+            # the bank of the result _POOL_AHEAD on, while this one is copied: a round's bank was written
+            # when its first data arrived, and until the last rank's entry completed it (at density 0.01
+            # mostly a header-only entry, a datagram or more later) the other datagrams pushed it out of
+            # the caches; the copy waited on it
+            if not status and k + _POOL_AHEAD < j:
+                s1 = slots[k + _POOL_AHEAD]
+                if regs[s1, PREV_HAS_DATA] != 0:
+                    T.prefetch(pool, (2 * s1 + (regs[s1, BANK] ^ 1)) * B, B)
             if status:
                 put_entry(out, e, s, CONGESTION if regs[s, CONGESTION_REG] else 0, regs[s, SLOT_BLOCK],
                           regs[s, BITMAP], NO_EXP, NO_EXP)
