@@ -19,7 +19,7 @@ from . import kernels as K
 from . import worker_state as WS
 from . import transport as T
 from .udp import LossHook, open_socket, parse_address
-from .worker_machine import DELAY_TARGET, AllreduceMachine, JoinMachine, WorkerConfig
+from .worker_machine import DELAY_TARGET, AllreduceMachine, JoinMachine, Scratch, WorkerConfig
 from .warmup import warm_up
 
 FLUSH_EVERY = 16   # datagrams processed before sending what is ready, even if more are queued
@@ -155,6 +155,7 @@ class Worker:
         self.gather_on_device = gather_on_device
         self._staging = tensors.Staging()     # host memory for device tensors' blocks, kept between allreduces
         self._path = None     # what the last allreduce learnt of the path (PathEstimate) for the next one
+        self._scratch = Scratch()   # memory the allreduces' machines reuse, one at a time
         # (blocks of the last allreduce's sum that hold data, blocks of its tensor): the union density of
         # the ranks' non-zero blocks, the same on every rank
         self.last_union = (0, 0)
@@ -494,7 +495,8 @@ class Worker:
         if source.nblocks:
             layout = Layout(len(self.aggregators), self.slots, source.nblocks,
                             self._column_orders.get(source.nblocks))
-            m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, path=self._path)
+            m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, path=self._path,
+                                 scratch=self._scratch)
             self._run(m)
             self._path = m.path
             # (the path's window: an allreduce that ended in a drain (R-C8) held 2 entries only for it)

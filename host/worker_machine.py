@@ -176,6 +176,22 @@ class JoinMachine:
                 f"{self.cfg.job} within {self.cfg.timeout:.1f} s")
 
 
+class Scratch:
+    """Memory a worker keeps from one allreduce to the next. The buffer its datagrams are built in holds
+    a round of every column with its data (2 MiB for 2,048 columns of 256 values); allocated and zero-filled
+    for each allreduce, it took 0.06-0.1 ms of a worker's CPU time at density 0.01 (the machine's set-up:
+    0.39-0.41 ms, 0.31-0.34 reusing it). Its old bytes need no clearing: encode_data writes every byte of
+    a datagram (header, entries, data, padding)."""
+
+    def __init__(self):
+        self._datagrams = np.zeros(0, np.uint8)
+
+    def datagram_buffer(self, nbytes: int) -> np.ndarray:
+        if self._datagrams.size < nbytes:
+            self._datagrams = np.zeros(nbytes, np.uint8)
+        return self._datagrams[:nbytes]
+
+
 class AllreduceMachine:
     """One allreduce. Its state is one record of arrays (worker_state.WorkerState, `self.st`), which the
     kernels update: per column the block of the current round and its agreed exponent, a pointer to the
@@ -185,9 +201,11 @@ class AllreduceMachine:
     what is decided per event rather than per datagram (probes, retransmissions, violations)."""
 
     def __init__(self, config: WorkerConfig, epoch: int, source: BlockSource, layout: Layout,
-                 output: DenseResult | CollectedBlocks, average: bool = False, path: PathEstimate | None = None):
+                 output: DenseResult | CollectedBlocks, average: bool = False, path: PathEstimate | None = None,
+                 scratch: Scratch | None = None):
         """path: what an earlier allreduce to the same aggregators measured (`self.path`); None starts
-        with config.rto and the initial window."""
+        with config.rto and the initial window. scratch: memory kept from the worker's last allreduce
+        (None: allocated here), not in use by any other machine."""
         self.cfg = config
         self.epoch = epoch
         self.source = source
@@ -229,7 +247,7 @@ class AllreduceMachine:
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
             # datagrams are built here: at most one per column, each at most max_datagram bytes
-            out=np.zeros(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE, np.uint8),
+            out=(scratch or Scratch()).datagram_buffer(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
             counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
