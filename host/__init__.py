@@ -1,6 +1,10 @@
 """ZeroSum: block-sparse streaming allreduce over UDP, with in-network (switch) or software aggregation."""
-from .errors import ProtocolViolation, ZeroSumError, ZeroSumRefused, ZeroSumTimeout
-from .worker import Worker
+from . import jitcache as _jitcache
+
+_jitcache.refresh()    # before any kernel is loaded from numba's cache (jitcache: why)
+
+from .errors import ProtocolViolation, ZeroSumError, ZeroSumRefused, ZeroSumTimeout  # noqa: E402
+from .worker import Worker  # noqa: E402
 
 __all__ = ["Worker", "ZeroSumError", "ZeroSumTimeout", "ZeroSumRefused", "ProtocolViolation"]
 __version__ = "0.1.0"
