@@ -49,8 +49,11 @@ TX_BATCH = 256         # messages per sendmmsg (each may be a GSO run of datagra
 RX_CAPACITY = 65536    # bytes per receive buffer: a datagram, or a GRO buffer of several
 RX_CTRL_WORDS = 12     # 96 bytes of control messages per buffer: UDP_GRO's and IP_TOS's (24 bytes each),
 #                        SO_TIMESTAMPNS's (32)
-# times a receiver yields its core and looks again before it sleeps (receive2: why)
+# times a receiver yields its core and looks again before it sleeps, for at most YIELD_FOR seconds: a
+# yield to a task that runs its whole slice (milliseconds) must not delay the sleep that a datagram's
+# arrival would end at once (receive2: why it yields)
 YIELD_SPINS = 8
+YIELD_FOR = 0.0005
 GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of Linux 4.18..6.x
 GSO_MAX_BYTES = 65507  # a GSO message is one UDP payload before it is cut
 
@@ -256,13 +259,17 @@ def receive2(fd, fd2, rx, timeout_ms):
     of results a datagram at a time, each answer waking the aggregator in turn, and the aggregator spent
     a quarter of its CPU time in wakeups and task switches. A receiver that yields stays runnable: the
     sender finishes its burst, and the receiver reads it in one batch. Where nothing else waits for the
-    core, a yield returns at once: the spins cost a few microseconds before each sleep."""
+    core, a yield returns at once: the spins cost a few microseconds before each sleep; where a task
+    that computes waits for it, the spins end after YIELD_FOR."""
     if timeout_ms != 0:
+        since = monotonic(rx.clock)
         for _ in range(YIELD_SPINS):
             _sched_yield()
             got = _receive_ready(fd, fd2, rx)
             if got > 0:
                 return _arrivals(rx, got)
+            if monotonic(rx.clock) - since > YIELD_FOR:
+                break
         rx.pollfd[0] = fd
         rx.pollfd[1] = POLLIN
         rx.pollfd[2] = fd2
