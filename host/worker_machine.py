@@ -247,7 +247,8 @@ class AllreduceMachine:
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
             # datagrams are built here: at most one per column, each at most max_datagram bytes
-            out=(scratch or Scratch()).datagram_buffer(S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE),
+            out=(scratch or Scratch()).datagram_buffer(
+                S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
             counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
