@@ -42,7 +42,7 @@ REGISTERS = ("slot_epoch", "slot_block", "slot_exp", "slot_tensor_blocks", "bitm
 REGISTER_RESET = (-1, spec.END, spec.NO_EXP, 0, 0, 0, spec.END, spec.NO_EXP, 0, 0, spec.END, spec.END,
                   spec.NO_EXP, spec.NO_EXP, 0, 0, 0, 0, 0)
 
-_POOL_AHEAD = 8   # contribute asks for the slot bank this many entries ahead of the one it adds
+_POOL_AHEAD = 8   # slot banks asked for this many entries ahead: contribute (adds), encode_slots (copies out)
 
 # counters[] indices (spec.COUNTERS order) that the data path counts
 _C = spec.COUNTER_INDEX
