@@ -1,7 +1,7 @@
 """Tensors as blocks: what a worker contributes (BlockSource: its non-zero blocks, their exponents and
 where their values are) and where sums go (DenseResult, CollectedBlocks).
 
-The scan that finds non-zero blocks is one compiled pass (kernels.scan_blocks). BlockView and
+The scan that finds non-zero blocks is one compiled pass (block_scan.scan_blocks). BlockView and
 SparseBlocks are the per-block views the reference sum and the compressors use.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels
-from .protocol import INT_EXP, MAX_BLOCKS, NO_EXP
+from . import block_scan
+from .protocol import MAX_BLOCKS, NO_EXP
 from .worker_state import N_COUNTS
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
@@ -78,7 +78,7 @@ def scan(values: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     nblocks = block_count(flat.size, block_size)
     blocks = np.empty(nblocks, np.int64)
     exps = np.empty(nblocks, np.int32)
-    count, bad = kernels.scan_blocks(flat.view(np.int32), block_size, flat.dtype == np.int32, blocks, exps)
+    count, bad = block_scan.scan_blocks(flat.view(np.int32), block_size, flat.dtype == np.int32, blocks, exps)
     if bad >= 0:
         raise ValueError(f"tensor has NaN or infinite values (first in block {bad}, elements "
                          f"{bad * block_size}..{(bad + 1) * block_size - 1}); "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parent
 # the modules that define kernels (numba's cache=True)
-KERNEL_MODULES = ("stores", "transport", "wire", "congestion", "kernels", "aggregator_kernels")
+KERNEL_MODULES = ("stores", "transport", "wire", "block_scan", "congestion", "kernels", "aggregator_kernels")
 STAMP = "zerosum-kernels.digest"
 
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w*)\s+import\s+\(?([\w\s,]*)", re.MULTILINE)

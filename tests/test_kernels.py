@@ -1,6 +1,6 @@
 """The compiled kernels against independent numpy computations.
 
-- the block scan (kernels.scan_blocks through blocks.scan): non-zero blocks and frexp exponents on
+- the block scan (block_scan.scan_blocks through blocks.scan): non-zero blocks and frexp exponents on
   random geometries, odd block sizes, partial last blocks and unaligned buffers, -0.0, subnormals,
   int32, and NaN/inf refused naming the first bad block;
 - the per-value loops: quantising (x * 2**s, rounded half to even) and dequantising
@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from netsim import run
 from zerosum import aggregator_kernels as AK
+from zerosum import block_scan as BS
 from zerosum import kernels as K
 from zerosum import protocol as P
 from zerosum import transport as T
@@ -99,11 +100,11 @@ def numpy_scan(flat, block_size):
 
 
 def kernel_scan(flat, block_size):
-    """kernels.scan_blocks called directly (what it returns past a NaN block too)."""
+    """block_scan.scan_blocks called directly (what it returns past a NaN block too)."""
     nblocks = -(-flat.size // block_size)
     blocks = np.full(nblocks, -1, np.int64)
     exps = np.full(nblocks, -1, np.int32)
-    count, bad = K.scan_blocks(flat.view(np.int32), block_size, flat.dtype == np.int32, blocks, exps)
+    count, bad = BS.scan_blocks(flat.view(np.int32), block_size, flat.dtype == np.int32, blocks, exps)
     return blocks[:count], exps[:count], bad
 
 
@@ -215,10 +216,10 @@ def test_nan_and_inf_name_the_first_bad_block(n, block_size, offset, bad_bits, s
 
 @pytest.mark.parametrize("block_size", [1, 4, 256])
 def test_scan_finds_a_block_at_every_place_of_its_group(block_size):
-    """The float scan looks at blocks in groups of K.SCAN_GROUP (a zero group as one span) and four at
+    """The float scan looks at blocks in groups of BS.SCAN_GROUP (a zero group as one span) and four at
     a time: a lone non-zero block, a NaN between two non-zero blocks, and a zero group behind a dense one
     are found at every place of a group, in whole groups and in the blocks after the last one."""
-    G = K.SCAN_GROUP
+    G = BS.SCAN_GROUP
     nblocks = 3 * G + 5
     for p in range(nblocks):
         x = np.zeros(nblocks * block_size, np.float32)
