@@ -50,7 +50,7 @@ from .worker_state import (
     I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW, OWN_BLOCK, OWN_EXP, OWN_ROW, TAIL_PROBES, WorkerState)
 
 
-# -- grouping a worker's blocks by column ------------------------------------------------------------
+# -- grouping a worker's blocks by column ---------------------------------------------------------------
 
 
 @njit(**JIT)
