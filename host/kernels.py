@@ -379,10 +379,11 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     RESULT entries for a column's current round store their sums (dequantised, divided by f[F_DIVISOR]
     when averaging) in st.values (block b at b*B, or, with i[I_COLLECT], at the next free row, its block
     in st.blocks_out; counts[1] rows used), advance the column and mark it ready (counts[2] counts columns
-    that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md,
-    "Loss recovery"). Returns (code, largest round-trip sample or -1, bad block, whether an entry carries
-    the CONGESTION flag, R-E1): code 0, a protocol violation (VIOLATION_*: then no entry of the datagram was
-    applied), or -DROP_* when malformed.
+    that reached END, counts[3] the blocks of the sum that hold data); other RESULT entries are duplicates
+    (counts[0]). STATUS entries record who the aggregator has heard (docs/protocol.md, "Loss recovery").
+    Returns (code, largest round-trip sample or -1, bad block, whether an entry carries the CONGESTION
+    flag, R-E1): code 0, a protocol violation (VIOLATION_*: then no entry of the datagram was applied), or
+    -DROP_* when malformed.
     counts[4] counts the rounds past the bootstrap that this datagram completed, counts[5] holds the
     least round trip among them and counts[6] the latest time one of them was sent, in ns (-1 if none
     was sent once only), counts[8] that round's column and counts[9] when it could first be sent (its
