@@ -20,6 +20,22 @@ def test_the_digest_covers_every_module_the_kernels_import():
                         assert module.split(".")[0] in sources, (name, module)
 
 
+
+def test_every_module_with_cached_kernels_is_listed():
+    """A module whose kernels numba caches (cache=True, or the package's JIT options) and that
+    KERNEL_MODULES leaves out would keep stale kernels after its imports change: the list is the set of
+    such modules, found here from the sources."""
+    def caches(call):
+        return any((k.arg == "cache" and isinstance(k.value, ast.Constant) and k.value.value is True)
+                   or (k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "JIT")
+                   for k in call.keywords)
+    cached = set()
+    for path in jitcache.PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "njit" and caches(node):
+                cached.add(path.stem)
+    assert cached == set(jitcache.KERNEL_MODULES)
+
 def test_a_changed_source_clears_only_the_kernels_cache(tmp_path, monkeypatch):
     kernel_files = ["kernels.drive-992.py311.nbi", "kernels.drive-992.py311.1.nbc",
                     "transport.receive2-250.py311.nbi"]
