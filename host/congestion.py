@@ -16,13 +16,13 @@ from numba import njit
 from .spec import MAX_DATAGRAM
 from .wire import BOOT, END, HDR, JIT
 from .worker_state import (
-    ASKED, F_BASE_RTO, F_CAP, F_CWND, F_DELIVERED_READY, F_DELIVERED_SENT, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN,
-    F_DRAIN_PERIOD, F_DRAIN_SLOT, F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT,
-    F_MAX_RTO, F_MIN_RTO, F_MIN_RTT, F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND,
-    F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM, F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET, F_WALL_CLOCK,
-    I_ADMITTED, I_COMPETITIVE, I_CONGESTION, I_DELAY_CUTS, I_DELIVERED_COLUMN, I_DRAINS, I_ENTRY,
-    I_EPOCH_MARKED, I_HAS_SRTT, I_LOSS_CUTS, I_MARKED, I_MARKS, I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM,
-    I_PACE_HELD, I_PACING, I_REO_CLEAN, I_REO_MULT, I_SPURIOUS, I_WINDOW)
+    ASKED, F_BASE_RTO, F_CAP, F_CWND, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_PERIOD, F_DRAIN_SLOT,
+    F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT, F_MAX_RTO, F_MIN_RTO, F_MIN_RTT,
+    F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM,
+    F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET, F_WALL_CLOCK, I_ADMITTED, I_COMPETITIVE,
+    I_CONGESTION, I_DELAY_CUTS, I_DRAINS, I_ENTRY, I_EPOCH_MARKED, I_HAS_SRTT, I_LOSS_CUTS, I_MARKED, I_MARKS,
+    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PACE_HELD, I_PACING, I_REO_CLEAN, I_REO_MULT, I_SPURIOUS,
+    I_WINDOW)
 
 
 @njit(inline="always", **JIT)
@@ -230,19 +230,22 @@ def judged_columns(st, delivered_column):
 def detect_loss(st, now):
     """R-C4, without waiting for a timer (RACK, RFC 8985, section 6.2), with or without the congestion
     window: a round last sent more than the reordering window (a quarter of the least round trip, at
-    least the delay target and this host's longest recent wait) before one whose result has arrived, that
-    could be sent no later than that one, and still without its own result, is taken as lost. Rounds do
-    not overtake each other on a path, but a round also waits for every other rank's entry, and ranks on
-    shared cores send their entries milliseconds apart: the window must cover that skew, or every late
-    rank looks like a loss. A retransmission is judged by when it was sent, so one lost again is found
-    the same way (RFC 8985 keeps the latest transmission's time). A round the aggregator said it holds
-    (STATUS) is judged too, a smoothed round trip later: it waits for an entry another rank lost, or it
-    completed and its RESULT to this worker was lost, which only this worker can ask for (resent as
-    ASKED: its STATUS answer is no spurious retransmission, and it cuts no window)."""
+    least the delay target and this host's longest recent wait) before one whose result has arrived from
+    the same aggregator, that could be sent no later than that one, and still without its own result, is
+    taken as lost. Rounds do not overtake each other on a path, but a round also waits for every other
+    rank's entry, and ranks on shared cores send their entries milliseconds apart: the window must cover
+    that skew, or every late rank looks like a loss. Each aggregator is a path of its own: one that waits
+    for a core while another runs returns its rounds later than the other's, which says nothing of a
+    loss (judged against any aggregator's latest, two aggregator processes on two cores had 94-776
+    entries resent in loss-free dense allreduces, all held). A retransmission is judged by when it was
+    sent, so one lost again is found the same way (RFC 8985 keeps the latest transmission's time). A round
+    the aggregator said it holds (STATUS) is judged too, a smoothed round trip later: it waits for an entry
+    another rank lost, or it completed and its RESULT to this worker was lost, which only this worker can
+    ask for (resent as ASKED: its STATUS answer is no spurious retransmission, and it cuts no window)."""
     f = st.f
-    if f[F_DELIVERED_SENT] <= 0.0 or f[F_DRAIN_END] > -np.inf:
+    if f[F_DRAIN_END] > -np.inf:
         return
-    before = f[F_DELIVERED_SENT] - reordering_window(st, now)
+    window = reordering_window(st, now)
     # ... and could be sent no later than it: every rank sends a round once its previous result arrived
     # and the column is admitted, in the order the results arrived (R-A8), which is the same on every
     # rank, so every rank sent such a round before the delivered one. A round that became ready later,
@@ -258,22 +261,27 @@ def detect_loss(st, now):
     status_seen, waiting_for = st.status_seen, st.waiting_for
     A = st.probe.shape[0]
     lost = False
-    judged = judged_columns(st, st.i[I_DELIVERED_COLUMN])
-    # a round the aggregator said it holds waits, if for an entry another rank lost, for that rank to
-    # find the loss as this worker does and resend it: one round trip more before it is asked after
-    held_before = before - f[F_SRTT]
-    for c in range(judged):
-        if since <= sent_at[c] < (held_before if status_seen[c] else before) and ready_at[c] <= f[F_DELIVERED_READY] \
-                and rb[c] != END and rb[c] != BOOT and not ready[c]:
-            deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
-            st.loss_confirmed[c % A] = True
-            if status_seen[c]:
-                # the aggregator had said it holds this round: a rank's entry is lost (that rank resends
-                # it, and its window answers for its path), or the round completed and its RESULT to this
-                # worker is: only this worker can ask, and it is no evidence against this worker's path
-                waiting_for[c] = ASKED
-            else:
-                lost = True
+    for a in range(A):
+        if st.delivered_sent[a] <= 0.0:
+            continue
+        before = st.delivered_sent[a] - window
+        # a round the aggregator said it holds waits, if for an entry another rank lost, for that rank to
+        # find the loss as this worker does and resend it: one round trip more before it is asked after
+        held_before = before - f[F_SRTT]
+        delivered_ready = st.delivered_ready[a]
+        for c in range(a, judged_columns(st, st.delivered_column[a]), A):    # column c: aggregator c % A
+            if since <= sent_at[c] < (held_before if status_seen[c] else before) \
+                    and ready_at[c] <= delivered_ready and rb[c] != END and rb[c] != BOOT and not ready[c]:
+                deadline[c] = min(deadline[c], now)     # retransmitted at once (R-L2 without the probe)
+                st.loss_confirmed[a] = True
+                if status_seen[c]:
+                    # the aggregator had said it holds this round: a rank's entry is lost (that rank resends
+                    # it, and its window answers for its path), or the round completed and its RESULT to
+                    # this worker is: only this worker can ask, and it is no evidence against this worker's
+                    # path
+                    waiting_for[c] = ASKED
+                else:
+                    lost = True
     if lost:
         st.i[I_REO_CLEAN] += 1
         if st.i[I_REO_CLEAN] >= REORDER_RESET:

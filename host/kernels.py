@@ -43,11 +43,11 @@ from .congestion import (
     on_spurious, pace_budget, pace_sent, pace_timer, tail_probe_timeout)
 from .worker_state import (
     ASKED, D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH,
-    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DELIVERED_READY, F_DELIVERED_SENT, F_DIVISOR,
-    F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO, F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT,
-    I_COLLECT, I_CONGESTION, I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_DELIVERED_COLUMN, I_EVENT_AGG, I_IS_INT,
-    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N,
-    I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW, OWN_BLOCK, OWN_EXP, OWN_ROW, TAIL_PROBES, WorkerState)
+    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO,
+    F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
+    I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM,
+    I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N, I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW,
+    OWN_BLOCK, OWN_EXP, OWN_ROW, TAIL_PROBES, WorkerState)
 
 
 # -- grouping a worker's blocks by column ---------------------------------------------------------------
@@ -740,10 +740,10 @@ def receive_one(st, b, n, aggregator, now, ce):
         if rtt >= 0:
             measure(st, rtt)
         if st.counts[4]:
-            if st.counts[6] * 1e-9 > st.f[F_DELIVERED_SENT]:
-                st.f[F_DELIVERED_SENT] = st.counts[6] * 1e-9
-                st.f[F_DELIVERED_READY] = st.counts[9] * 1e-9
-                st.i[I_DELIVERED_COLUMN] = st.counts[8]
+            if st.counts[6] * 1e-9 > st.delivered_sent[aggregator]:
+                st.delivered_sent[aggregator] = st.counts[6] * 1e-9
+                st.delivered_ready[aggregator] = st.counts[9] * 1e-9
+                st.delivered_column[aggregator] = st.counts[8]
             on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now, st.counts[6] * 1e-9)
         st.counts[4] = 0
         st.counts[5] = -1
@@ -824,7 +824,8 @@ def _raw_state(st):
         T.raw(st.col_stop), T.raw(st.own), T.raw(st.src),
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
         T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen),
-        T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard), T.raw(st.slots_used),
+        T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard),
+        T.raw(st.delivered_sent), T.raw(st.delivered_ready), T.raw(st.delivered_column), T.raw(st.slots_used),
         T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
         T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 

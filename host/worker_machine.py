@@ -243,7 +243,9 @@ class AllreduceMachine:
             ready_at=np.zeros(S), waiting_for=np.zeros(S, np.int64),
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             tail_armed=np.zeros(A, np.int64),
-            last_heard=np.zeros(A), slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
+            last_heard=np.zeros(A), delivered_sent=np.zeros(A), delivered_ready=np.zeros(A),
+            delivered_column=np.zeros(A, np.int64),
+            slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
             # datagrams are built here: at most one per column, each at most max_datagram bytes
@@ -253,11 +255,11 @@ class AllreduceMachine:
             counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
             f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
-                        np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, 0.0, -np.inf, np.inf,
+                        np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, -np.inf, np.inf,
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
                         -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
                         0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
-                        0.0 if fresh else path.other_queue, 0.0, np.inf], np.float64),
+                        0.0 if fresh else path.other_queue, np.inf], np.float64),
             i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         self.st.counts[9] = -1

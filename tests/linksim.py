@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zerosum import protocol as P
 from zerosum.aggregator_machine import AggregatorMachine
 from zerosum.blocks import BlockSource, DenseResult
 from zerosum.layout import Layout
@@ -86,16 +85,18 @@ class Run:
 def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int = 256,
               max_datagram: int = 1472, window="auto", congestion: bool = True, delay_target: float = 0.005,
               path=None, changes=(), slots: int | None = None, until: float = 60.0, loss: float = 0.0,
-              seed: int = 0, pacing: bool = True, watch_from: float = 0.0) -> Run:
+              seed: int = 0, pacing: bool = True, watch_from: float = 0.0, answer_after=(0.0,)) -> Run:
     """One allreduce of `arrays` (one per rank) through one aggregator over links of `rate` bytes/s,
     `delay` seconds and `queue` bytes in each direction. `changes`: (time, rate) pairs that set every
     link's rate from that time on. `path`: PathEstimate per rank from an earlier run (or None). `loss`:
     the chance that a link loses a datagram it carried (random loss, not congestion). `pacing`:
-    WorkerConfig.pacing. `watch_from`: the links list their bursts from this time on (Link.bursts)."""
+    WorkerConfig.pacing. `watch_from`: the links list their bursts from this time on (Link.bursts).
+    `answer_after`: one aggregator per entry (the columns striped over them), each taking a datagram
+    that many seconds after it arrived (an aggregator that waits for a core)."""
     rng = np.random.default_rng(seed)
     world = len(arrays)
-    agg = AggregatorMachine(1, world, slots=slots or 4096)
-    granted = join_all([agg], world, block_size)
+    aggs = [AggregatorMachine(1, world, slots=slots or 4096) for _ in answer_after]
+    granted = join_all(aggs, world, block_size)
     ups = [Link(rate, delay, queue, loss, rng, watch_from=watch_from) for _ in range(world)]
     downs = [Link(rate, delay, queue, loss, rng, watch_from=watch_from) for _ in range(world)]
     machines, windows, buckets = [], [[] for _ in range(world)], [[] for _ in range(world)]
@@ -104,7 +105,7 @@ def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int 
         cfg = WorkerConfig(rank=r, world=world, job=1, max_datagram=max_datagram, timeout=30.0,
                            block_size=block_size, window=window, congestion=congestion,
                            delay_target=delay_target, pacing=pacing)
-        machines.append(AllreduceMachine(cfg, 1, source, Layout(1, granted, source.nblocks),
+        machines.append(AllreduceMachine(cfg, 1, source, Layout(len(aggs), granted, source.nblocks),
                                          DenseResult(np.zeros(x.size, x.dtype)),
                                          path=None if path is None else path[r]))
     events: list = []      # (time, sequence, kind, rank, payload)
@@ -116,10 +117,10 @@ def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int 
         heapq.heappush(events, (t, seq, kind, r, payload))
 
     def worker_sends(r, now, datagrams):
-        for _, d in datagrams:
+        for a, d in datagrams:
             arrival = ups[r].send(now, len(d))
             if arrival is not None:
-                at(arrival, "agg", r, bytes(d))
+                at(arrival + answer_after[a], "agg", r, (a, bytes(d)))
         windows[r].append((now, machines[r].cwnd))
         buckets[r].append((now, machines[r].pacing[1]))
         t = machines[r].timer()
@@ -140,16 +141,17 @@ def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int 
                 link.free_at = max(link.free_at, now)
                 link.rate = payload
         elif kind == "agg":
-            agg.receive(payload, ("w", r), now)
-            for dests, reply in agg.datagrams_to_send(now):
+            a, data = payload
+            aggs[a].receive(data, ("w", r), now)
+            for dests, reply in aggs[a].datagrams_to_send(now):
                 for _, w in dests:
                     arrival = downs[w].send(now, len(reply))
                     if arrival is not None:
-                        at(arrival, "worker", w, bytes(reply))
+                        at(arrival, "worker", w, (a, bytes(reply)))
         elif not machines[r].done:
             m = machines[r]
             if kind == "worker":
-                m.receive(0, payload, now)
+                m.receive(*payload, now)
             if kind == "worker" or now >= m.timer():
                 worker_sends(r, now, m.datagrams_to_send(now))
     outs = [m.output.flat.reshape(arrays[0].shape) for m in machines]

@@ -245,7 +245,7 @@ def rounds_in_flight(*sent_at):
 
 def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
     m, st = rounds_in_flight(1.0, 1.007)                            # two rounds in flight
-    st.f[WS.F_DELIVERED_SENT] = 1.008                                # a round sent 8 ms after column 0's arrived
+    st.delivered_sent[0] = 1.008                                # a round sent 8 ms after column 0's arrived
     st.i[WS.I_REO_MULT] = 2                                          # 10 ms: not yet lost
     CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
@@ -254,7 +254,7 @@ def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detec
     assert st.deadline[0] == 1.01 and st.deadline[1] == 2.0 and st.loss_confirmed[0] and m.window_cuts == (0, 1)
     st.i[WS.I_REO_MULT] = 4
     st.i[WS.I_REO_CLEAN] = CC.REORDER_RESET - 1
-    st.f[WS.F_DELIVERED_SENT] = 1.03
+    st.delivered_sent[0] = 1.03
     CC.detect_loss(st, 1.04)                                         # RFC 8985 6.2.4: back to 1x
     assert st.i[WS.I_REO_MULT] == 1 and st.i[WS.I_REO_CLEAN] == 0
 
@@ -269,17 +269,17 @@ def test_a_held_round_is_judged_a_round_trip_later_and_asked_after_without_a_cut
     m, st = rounds_in_flight(1.0, 1.001, 1.007)                     # srtt 10 ms, reordering window 5 ms
     st.f[WS.F_LAST_PROGRESS] = 1.0
     st.status_seen[:2] = True
-    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.008, 2
+    st.delivered_sent[0], st.delivered_column[0] = 1.008, 2
     CC.detect_loss(st, 1.01)                                         # lost if not held: not yet
     assert (st.deadline[:2] == 2.0).all() and not st.loss_confirmed[0]
-    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.0165, 1    # (column 2 not judged: R-L6)
+    st.delivered_sent[0], st.delivered_column[0] = 1.0165, 1    # (column 2 not judged: R-L6)
     CC.detect_loss(st, 1.02)
     assert (st.deadline[:2] == 1.02).all() and st.loss_confirmed[0] and m.window_cuts == (0, 0)
     assert (st.waiting_for[:2] == WS.ASKED).all()
     sent = m.poll(1.02)                                              # resent, and still no cut
     assert m.retransmitted == 2 and len(sent) == 1 and m.window_cuts == (0, 0)
     st.status_seen[2] = False
-    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.013, 2
+    st.delivered_sent[0], st.delivered_column[0] = 1.013, 2
     CC.detect_loss(st, 1.021)                                        # column 2's round, not held: a cut
     assert st.deadline[2] == 1.021 and m.window_cuts == (0, 1)
 
@@ -289,7 +289,7 @@ def test_the_reordering_window_covers_the_longest_wait_of_a_result_in_this_worke
     8 ms older than a delivered one is not lost yet; the wait fades by half per half-life, and then it is."""
     half = CC.HOST_WAIT_HALF_LIFE
     m, st = rounds_in_flight(1.0, 1.007)
-    st.f[WS.F_DELIVERED_SENT] = 1.008                                # 8 ms: past the 5 ms delay target
+    st.delivered_sent[0] = 1.008                                # 8 ms: past the 5 ms delay target
     CC.note_host_wait(st, 0.012, 1.0)
     CC.note_host_wait(st, 0.003, 1.001)                              # a shorter wait does not replace it
     assert CC.host_wait(st, 1.001) == pytest.approx(0.012 * 0.5 ** (0.001 / half))
@@ -309,9 +309,30 @@ def test_loss_detection_judges_only_columns_up_to_the_delivered_rounds():
     """R-C4: a delivered round of column k says every rank admitted columns 0..k (R-L6: prefixes of one
     order); a column past it may be one a rank with a smaller window has not sent: not judged lost."""
     m, st = rounds_in_flight(*[1.0] * 8)
-    st.f[WS.F_DELIVERED_SENT], st.i[WS.I_DELIVERED_COLUMN] = 1.02, 4
+    st.delivered_sent[0], st.delivered_column[0] = 1.02, 4
     CC.detect_loss(st, 1.03)
     assert (st.deadline[:5] == 1.03).all() and (st.deadline[5:8] == 2.0).all()
+
+
+def test_each_aggregator_is_a_path_of_its_own_for_loss_detection():
+    """R-C4: rounds do not overtake each other on one aggregator's path, but one aggregator's rounds may
+    overtake another's (an aggregator that waits for a core returns its rounds later): a result from
+    aggregator 0 judges aggregator 0's older rounds only, and aggregator 1's own result its own."""
+    m = machine(columns=8, aggregators=2)                 # columns 0, 2, 4, 6: aggregator 0; 1, 3, 5, 7: 1
+    st = m.st
+    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.f[WS.F_MIN_RTT] = 0.001
+    st.i[WS.I_ADMITTED] = 8
+    st.round_block[:] = 3
+    st.sent_at[:] = 1.0
+    st.deadline[:] = 2.0
+    st.delivered_sent[0], st.delivered_column[0] = 1.02, 6    # aggregator 0 answered a round sent 20 ms later
+    CC.detect_loss(st, 1.03)
+    assert (st.deadline[0::2] == 1.03).all() and st.loss_confirmed[0]
+    assert (st.deadline[1::2] == 2.0).all() and not st.loss_confirmed[1]
+    st.delivered_sent[1], st.delivered_column[1] = 1.02, 5
+    CC.detect_loss(st, 1.04)                              # (column 7, past the delivered one, not judged: R-L6)
+    assert (st.deadline[[1, 3, 5]] == 1.04).all() and st.deadline[7] == 2.0 and st.loss_confirmed[1]
 
 
 def _result_for(m, columns):
@@ -363,8 +384,8 @@ def test_the_delivered_round_is_the_latest_sent_with_its_column_and_when_it_coul
     st.sent_at[2], st.ready_at[2] = 1.002, 1.002
     datagram = _result_for(m, [5, 2])
     assert K.receive_one(st, datagram, len(datagram), 0, 1.01, False) == K.APPLIED
-    assert st.f[WS.F_DELIVERED_SENT] == pytest.approx(1.004) and st.i[WS.I_DELIVERED_COLUMN] == 5
-    assert st.f[WS.F_DELIVERED_READY] == pytest.approx(1.0)
+    assert st.delivered_sent[0] == pytest.approx(1.004) and st.delivered_column[0] == 5
+    assert st.delivered_ready[0] == pytest.approx(1.0)
     assert st.ready_at[5] == st.ready_at[2] == 1.01
 
 
@@ -426,12 +447,12 @@ def test_loss_detection_waits_out_a_drain_and_leaves_the_rounds_sent_before_it_t
     drain; RACK (R-C4) judges nothing during a drain, and afterwards only rounds sent since it began."""
     m, st = rounds_in_flight(1.0, 1.096)                            # column 0 sent before the drain
     st.f[WS.F_DRAIN_START], st.f[WS.F_DRAIN_END], st.f[WS.F_RACK_FROM] = 1.01, 1.03, np.inf   # as drain_step sets
-    st.f[WS.F_DELIVERED_SENT] = 1.025
+    st.delivered_sent[0] = 1.025
     CC.detect_loss(st, 1.029)                                        # draining: nothing is judged
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
     CC.end_drain(st, 1.03)
     assert st.f[WS.F_RACK_FROM] == pytest.approx(1.03 + CC.DRAIN_TIME)
-    st.f[WS.F_DELIVERED_SENT] = 1.1
+    st.delivered_sent[0] = 1.1
     st.sent_at[0] = 1.045                                           # sent in the grace after the drain: the
     CC.detect_loss(st, 1.1)                                          # timer's, as are rounds sent before it
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
@@ -461,8 +482,8 @@ def test_without_a_window_every_column_is_judged_and_nothing_is_cut():
     st.sent_at[:] = 1.0
     st.sent_at[7] = 1.02                                  # column 7: sent 20 ms after the others, and complete
     _deliver_and_detect(m, st, 7, 1.021)                  # the least round trip is measured without the window
-    assert st.f[WS.F_MIN_RTT] == pytest.approx(0.001) and st.i[WS.I_DELIVERED_COLUMN] == 7
-    st.i[WS.I_DELIVERED_COLUMN] = 2                       # a reference in a low column bounds nothing either
+    assert st.f[WS.F_MIN_RTT] == pytest.approx(0.001) and st.delivered_column[0] == 7
+    st.delivered_column[0] = 2                       # a reference in a low column bounds nothing either
     st.deadline[:7] = 2.0
     CC.detect_loss(st, 1.021)
     assert (st.deadline[:7] == 1.021).all() and st.loss_confirmed[0]
@@ -500,7 +521,7 @@ def test_a_retransmission_is_judged_by_when_it_was_resent_and_its_result_marks_n
     st.sent_at[:] = 1.04
     st.sent_at[5:7], st.resent[5:7] = 1.03, True          # columns 5 and 6: retransmitted at 1.03
     _deliver_and_detect(m, st, 6, 1.05)
-    assert st.f[WS.F_DELIVERED_SENT] == 0.0 and not st.i[WS.I_HAS_SRTT] and (st.deadline[:6] == 2.0).all()
+    assert st.delivered_sent[0] == 0.0 and not st.i[WS.I_HAS_SRTT] and (st.deadline[:6] == 2.0).all()
     _deliver_and_detect(m, st, 7, 1.06)                   # a round first sent at 1.04 completes: column 5's
     assert st.deadline[5] == 1.06 and st.loss_confirmed[0]   # retransmission, 10 ms before it, is lost again
     assert (st.deadline[:5] == 2.0).all() and st.i[WS.I_HAS_SRTT]
@@ -809,6 +830,21 @@ def test_a_queue_shorter_than_the_delay_target_is_found_by_loss():
     best = min(run_timed(arrays, window=w, congestion=False, **link).finished for w in (8_000, 16_000, 32_000))
     assert auto.finished <= 2 * best
     assert run_timed(arrays, window=None, until=120, **link).finished > 3 * auto.finished
+
+
+def test_an_aggregator_that_answers_later_than_another_loses_nothing():
+    """R-C4 per aggregator: of two aggregators one takes each datagram 20 ms after it arrived (one waiting
+    for a core), the other at once, on 100 Mbit/s links and without a window (every column in flight, as
+    with every aggregator on the workers' host). The second's results overtake rounds sent to the first
+    long before them, which are not lost for that: judged against the other aggregator's results, 32
+    entries of each rank were resent, all held."""
+    arrays = dense(world=2, n=1 << 18)
+    run = run_timed(arrays, answer_after=(0.0, 0.02), rate=100 * MBIT, delay=1e-4, queue=1 << 20, window=None,
+                    slots=16)
+    ref = reference_allreduce(arrays, B)
+    assert all(np.array_equal(o, ref) for o in run.outputs)
+    assert sum(m.retransmitted for m in run.machines) == 0
+    assert all(m.spurious_entries <= m.tail_probes for m in run.machines)    # (R-L8's probes, no more)
 
 
 def test_follows_a_rate_that_halves_mid_run():
