@@ -245,7 +245,7 @@ def rounds_in_flight(*sent_at):
 
 def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
     m, st = rounds_in_flight(1.0, 1.007)                            # two rounds in flight
-    st.delivered_sent[0] = 1.008                                # a round sent 8 ms after column 0's arrived
+    st.delivered_sent[0] = 1.008                                    # a round sent 8 ms after column 0's arrived
     st.i[WS.I_REO_MULT] = 2                                          # 10 ms: not yet lost
     CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
@@ -272,7 +272,7 @@ def test_a_held_round_is_judged_a_round_trip_later_and_asked_after_without_a_cut
     st.delivered_sent[0], st.delivered_column[0] = 1.008, 2
     CC.detect_loss(st, 1.01)                                         # lost if not held: not yet
     assert (st.deadline[:2] == 2.0).all() and not st.loss_confirmed[0]
-    st.delivered_sent[0], st.delivered_column[0] = 1.0165, 1    # (column 2 not judged: R-L6)
+    st.delivered_sent[0], st.delivered_column[0] = 1.0165, 1         # (column 2 not judged: R-L6)
     CC.detect_loss(st, 1.02)
     assert (st.deadline[:2] == 1.02).all() and st.loss_confirmed[0] and m.window_cuts == (0, 0)
     assert (st.waiting_for[:2] == WS.ASKED).all()
@@ -289,7 +289,7 @@ def test_the_reordering_window_covers_the_longest_wait_of_a_result_in_this_worke
     8 ms older than a delivered one is not lost yet; the wait fades by half per half-life, and then it is."""
     half = CC.HOST_WAIT_HALF_LIFE
     m, st = rounds_in_flight(1.0, 1.007)
-    st.delivered_sent[0] = 1.008                                # 8 ms: past the 5 ms delay target
+    st.delivered_sent[0] = 1.008                                     # 8 ms: past the 5 ms delay target
     CC.note_host_wait(st, 0.012, 1.0)
     CC.note_host_wait(st, 0.003, 1.001)                              # a shorter wait does not replace it
     assert CC.host_wait(st, 1.001) == pytest.approx(0.012 * 0.5 ** (0.001 / half))
@@ -326,7 +326,7 @@ def test_each_aggregator_is_a_path_of_its_own_for_loss_detection():
     st.round_block[:] = 3
     st.sent_at[:] = 1.0
     st.deadline[:] = 2.0
-    st.delivered_sent[0], st.delivered_column[0] = 1.02, 6    # aggregator 0 answered a round sent 20 ms later
+    st.delivered_sent[0], st.delivered_column[0] = 1.02, 6  # aggregator 0 answered a round sent 20 ms later
     CC.detect_loss(st, 1.03)
     assert (st.deadline[0::2] == 1.03).all() and st.loss_confirmed[0]
     assert (st.deadline[1::2] == 2.0).all() and not st.loss_confirmed[1]
@@ -483,7 +483,7 @@ def test_without_a_window_every_column_is_judged_and_nothing_is_cut():
     st.sent_at[7] = 1.02                                  # column 7: sent 20 ms after the others, and complete
     _deliver_and_detect(m, st, 7, 1.021)                  # the least round trip is measured without the window
     assert st.f[WS.F_MIN_RTT] == pytest.approx(0.001) and st.delivered_column[0] == 7
-    st.delivered_column[0] = 2                       # a reference in a low column bounds nothing either
+    st.delivered_column[0] = 2                            # a reference in a low column bounds nothing either
     st.deadline[:7] = 2.0
     CC.detect_loss(st, 1.021)
     assert (st.deadline[:7] == 1.021).all() and st.loss_confirmed[0]

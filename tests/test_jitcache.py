@@ -20,7 +20,6 @@ def test_the_digest_covers_every_module_the_kernels_import():
                         assert module.split(".")[0] in sources, (name, module)
 
 
-
 def test_every_module_with_cached_kernels_is_listed():
     """A module whose kernels numba caches (cache=True, or the package's JIT options) and that
     KERNEL_MODULES leaves out would keep stale kernels after its imports change: the list is the set of
@@ -35,6 +34,7 @@ def test_every_module_with_cached_kernels_is_listed():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "njit" and caches(node):
                 cached.add(path.stem)
     assert cached == set(jitcache.KERNEL_MODULES)
+
 
 def test_a_changed_source_clears_only_the_kernels_cache(tmp_path, monkeypatch):
     kernel_files = ["kernels.drive-992.py311.nbi", "kernels.drive-992.py311.1.nbc",
