@@ -16,34 +16,46 @@ from numba import njit
 from .spec import MAX_DATAGRAM
 from .wire import BOOT, END, HDR, JIT
 from .worker_state import (
-    ASKED, F_BASE_RTO, F_CAP, F_CWND, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_PERIOD, F_DRAIN_SLOT,
+    ASKED, F_CAP, F_CWND, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_PERIOD, F_DRAIN_SLOT,
     F_DRAIN_START, F_EPOCH_MIN, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT, F_MAX_RTO, F_MIN_RTO, F_MIN_RTT,
     F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM,
-    F_REO_EPOCH, F_RTTVAR, F_SRTT, F_SSTHRESH, F_TARGET, F_WALL_CLOCK, I_ADMITTED, I_COMPETITIVE,
-    I_CONGESTION, I_DELAY_CUTS, I_DRAINS, I_ENTRY, I_EPOCH_MARKED, I_HAS_SRTT, I_LOSS_CUTS, I_MARKED, I_MARKS,
+    F_REO_EPOCH, F_SSTHRESH, F_TARGET, F_WALL_CLOCK, I_ADMITTED, I_COMPETITIVE,
+    I_CONGESTION, I_DELAY_CUTS, I_DRAINS, I_ENTRY, I_EPOCH_MARKED, I_LOSS_CUTS, I_MARKED, I_MARKS,
     I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PACE_HELD, I_PACING, I_REO_CLEAN, I_REO_MULT, I_SPURIOUS,
     I_WINDOW)
 
 
 @njit(inline="always", **JIT)
-def measure(st, r):
-    """Adapt the retransmission timeout to a round-trip sample (RFC 6298, section 2)."""
-    f = st.f
-    if not st.i[I_HAS_SRTT]:
-        f[F_SRTT] = r
-        f[F_RTTVAR] = r / 2
-        st.i[I_HAS_SRTT] = 1
+def measure(st, a, r):
+    """Adapt aggregator a's retransmission timeout to a round-trip sample from it (RFC 6298, section 2;
+    one estimate per path: an aggregator further away, or one that waits for a core, answers later than
+    another, and one estimate over both had the nearer one's timers expire the further one's rounds)."""
+    if math.isnan(st.srtt[a]):
+        st.srtt[a] = r
+        st.rttvar[a] = r / 2
     else:
-        f[F_RTTVAR] = 0.75 * f[F_RTTVAR] + 0.25 * abs(f[F_SRTT] - r)
-        f[F_SRTT] = 0.875 * f[F_SRTT] + 0.125 * r
-    update_rto(st)
+        st.rttvar[a] = 0.75 * st.rttvar[a] + 0.25 * abs(st.srtt[a] - r)
+        st.srtt[a] = 0.875 * st.srtt[a] + 0.125 * r
+    update_rto(st, a)
 
 
 @njit(inline="always", **JIT)
-def update_rto(st):
-    """The base timeout from the estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298, 2.3)."""
+def update_rto(st, a):
+    """Aggregator a's base timeout from its estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298,
+    2.3)."""
     f = st.f
-    f[F_BASE_RTO] = min(max(f[F_SRTT] + 4 * f[F_RTTVAR], f[F_MIN_RTO]), f[F_MAX_RTO])
+    st.base_rto[a] = min(max(st.srtt[a] + 4 * st.rttvar[a], f[F_MIN_RTO]), f[F_MAX_RTO])
+
+
+@njit(inline="always", **JIT)
+def longest_srtt(st):
+    """The longest smoothed round trip over the aggregators measured (NaN: none yet): the congestion window
+    and the drain (R-C3, R-C8) are one for all of them, and see the effect of what they do after that."""
+    t = -np.inf
+    for a in range(st.srtt.shape[0]):
+        if st.srtt[a] > t:          # (false for NaN: not measured)
+            t = st.srtt[a]
+    return t if t > -np.inf else np.nan
 
 
 # -- the congestion window (docs/protocol.md, R-C1..R-C6, R-C8) -----------------------------------------
@@ -84,7 +96,8 @@ def cut_window(st, factor, now):
     f[F_CWND] = max(f[F_CWND] * factor, np.float64(st.i[I_ENTRY]))
     f[F_SSTHRESH] = f[F_CWND]
     f[F_PRIOR_CWND] = 0.0           # only a loss cut can be undone (on_spurious)
-    f[F_NEXT_CUT] = now + (f[F_SRTT] if st.i[I_HAS_SRTT] else f[F_BASE_RTO])
+    rtt = longest_srtt(st)
+    f[F_NEXT_CUT] = now + (st.base_rto.max() if math.isnan(rtt) else rtt)
     set_window(st)
 
 
@@ -202,16 +215,16 @@ def reordering_window(st, now):
 
 
 @njit(**JIT)
-def tail_probe_timeout(st, now):
-    """R-L8: how long an aggregator may be quiet, while rounds this worker sent to it await their results,
-    before a tail probe goes out (RFC 8985, section 7.2: two smoothed round trips), plus the reordering
-    window (a round waits for every rank's entry, and ranks on shared cores send theirs that far apart).
-    inf before a round trip was measured, or where the retransmission timeout (R-L1) comes no later."""
-    f = st.f
-    if not st.i[I_HAS_SRTT]:
+def tail_probe_timeout(st, a, now):
+    """R-L8: how long aggregator a may be quiet, while rounds this worker sent to it await their results,
+    before a tail probe goes out (RFC 8985, section 7.2: two smoothed round trips of its path), plus the
+    reordering window (a round waits for every rank's entry, and ranks on shared cores send theirs that
+    far apart). inf before a round trip to it was measured, or where its retransmission timeout (R-L1)
+    comes no later."""
+    if math.isnan(st.srtt[a]):
         return np.inf
-    pto = 2.0 * f[F_SRTT] + reordering_window(st, now)
-    return pto if pto < f[F_BASE_RTO] else np.inf
+    pto = 2.0 * st.srtt[a] + reordering_window(st, now)
+    return pto if pto < st.base_rto[a] else np.inf
 
 
 @njit(**JIT)
@@ -267,7 +280,7 @@ def detect_loss(st, now):
         before = st.delivered_sent[a] - window
         # a round the aggregator said it holds waits, if for an entry another rank lost, for that rank to
         # find the loss as this worker does and resend it: one round trip more before it is asked after
-        held_before = before - f[F_SRTT]
+        held_before = before - st.srtt[a]
         delivered_ready = st.delivered_ready[a]
         for c in range(a, judged_columns(st, st.delivered_column[a]), A):    # column c: aggregator c % A
             if since <= sent_at[c] < (held_before if status_seen[c] else before) \
@@ -342,7 +355,8 @@ def drain_step(st, now):
     delay-based control), and would hold it ever after. BBR's ProbeRTT drains for the same reason,
     synchronised by the drained queue rather than by a clock (Cardwell et al., ACM Queue 14(5), 2016)."""
     f, i = st.f, st.i
-    if not i[I_CONGESTION] or not i[I_HAS_SRTT]:
+    rtt = longest_srtt(st)
+    if not i[I_CONGESTION] or math.isnan(rtt):
         return
     if f[F_DRAIN_END] > -np.inf:
         if now >= f[F_DRAIN_END]:
@@ -357,7 +371,7 @@ def drain_step(st, now):
     # two smoothed round trips, in whole DRAIN_TIMEs from the period's start: the ranks of a job (whose
     # round trips are alike) end their drains together, as they began them; a rank that resumed alone
     # would send rounds that wait for the others' entries, which its loss detection takes for losses
-    length = min(math.ceil(max(DRAIN_TIME, 2.0 * f[F_SRTT]) / DRAIN_TIME) * DRAIN_TIME, DRAIN_MAX)
+    length = min(math.ceil(max(DRAIN_TIME, 2.0 * rtt) / DRAIN_TIME) * DRAIN_TIME, DRAIN_MAX)
     end = slot * f[F_DRAIN_PERIOD] - f[F_WALL_CLOCK] + length
     if now >= end:
         return

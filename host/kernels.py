@@ -43,7 +43,7 @@ from .congestion import (
     on_spurious, pace_budget, pace_sent, pace_timer, tail_probe_timeout)
 from .worker_state import (
     ASKED, D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH,
-    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_BASE_RTO, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO, F_TAIL_PTO,
+    D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO,
     F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
     I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM,
     I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N, I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW,
@@ -481,7 +481,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
         round_exp[c] = nexp
         if sampled:
             rtt = max(rtt, now - sent_at[c])
-        rto[c] = st.f[F_BASE_RTO]
+        rto[c] = st.base_rto[aggregator]
         status_seen[c] = False
         deadline[c] = np.inf
         if nxt != END:
@@ -624,20 +624,20 @@ def tail_candidates(st, probe_of):
 @njit(**JIT)
 def next_timer(st, due_by):
     """When the worker's timers next need a look: per aggregator, the earliest timer of its columns
-    still in progress, once the aggregator has been quiet for base_rto; with a probe out, the probe's
+    still in progress, once the aggregator has been quiet for its base_rto; with a probe out, the probe's
     own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery"); or, with
-    a tail probe left, F_TAIL_PTO after the aggregator was last heard from or the round that the tail
+    a tail probe left, its tail_pto after the aggregator was last heard from or the round that the tail
     probe would resend was sent, whichever came later (R-L8).
 
     Where that time is after `due_by`, a time after `due_by` and no later than it may come instead: an
     aggregator's term is never before its probe's timer or, without a confirmed loss, before it was last
-    heard from + base_rto (or + F_TAIL_PTO, armed), and while those all lie past `due_by` the scan over
+    heard from + its base_rto (or + its tail_pto, armed), and while those all lie past `due_by` the scan over
     every column is skipped (the driver loop asks after every batch only whether anything is due by now,
     and how long it may wait: waking at the bound costs one more look). due_by = inf: always the time
     itself."""
     probe, loss_confirmed, last_heard, armed = st.probe, st.loss_confirmed, st.last_heard, st.tail_armed
     deadline, round_block = st.deadline, st.round_block
-    base_rto, pto = st.f[F_BASE_RTO], st.f[F_TAIL_PTO]
+    base_rto, pto = st.base_rto, st.tail_pto
     aggregators = probe.shape[0]
     bound = np.inf
     exact = False
@@ -647,7 +647,7 @@ def next_timer(st, due_by):
         elif loss_confirmed[a]:
             exact = True
         else:
-            bound = min(bound, last_heard[a] + (min(pto, base_rto) if armed[a] else base_rto))
+            bound = min(bound, last_heard[a] + (min(pto[a], base_rto[a]) if armed[a] else base_rto[a]))
     if not exact and bound > due_by:
         return bound
     first = np.full(aggregators, np.inf)
@@ -655,7 +655,8 @@ def next_timer(st, due_by):
         if round_block[c] != END and deadline[c] < first[c % aggregators]:
             first[c % aggregators] = deadline[c]
     probe_of = np.empty(aggregators, np.int64)
-    if pto < np.inf:
+    tails = pto.min() < np.inf
+    if tails:
         tail_candidates(st, probe_of)
     t = np.inf
     for a in range(aggregators):
@@ -664,9 +665,9 @@ def next_timer(st, due_by):
         elif loss_confirmed[a]:
             d = first[a]
         else:
-            d = max(first[a], last_heard[a] + base_rto)
-            if pto < np.inf and armed[a] and probe_of[a] >= 0:
-                d = min(d, max(last_heard[a], st.sent_at[probe_of[a]]) + pto)
+            d = max(first[a], last_heard[a] + base_rto[a])
+            if tails and pto[a] < np.inf and armed[a] and probe_of[a] >= 0:
+                d = min(d, max(last_heard[a], st.sent_at[probe_of[a]]) + pto[a])
         t = min(t, d)
     return t
 
@@ -738,7 +739,7 @@ def receive_one(st, b, n, aggregator, now, ce):
         st.tail_armed[aggregator] = TAIL_PROBES       # R-L8: tail probes may follow this result
         st.i[I_REMAINING] = S - st.counts[2]
         if rtt >= 0:
-            measure(st, rtt)
+            measure(st, aggregator, rtt)
         if st.counts[4]:
             if st.counts[6] * 1e-9 > st.delivered_sent[aggregator]:
                 st.delivered_sent[aggregator] = st.counts[6] * 1e-9
@@ -782,7 +783,8 @@ def flush_ready(st, now):
     (st.cuts)."""
     S = st.round_block.shape[0]
     detect_loss(st, now)
-    st.f[F_TAIL_PTO] = tail_probe_timeout(st, now)
+    for a in range(st.tail_pto.shape[0]):
+        st.tail_pto[a] = tail_probe_timeout(st, a, now)
     if st.i[I_CONGESTION]:
         drain_step(st, now)
     if st.i[I_ADMITTED] < S or st.i[I_WINDOW] < S:
@@ -825,7 +827,8 @@ def _raw_state(st):
         T.raw(st.ready), T.raw(st.queue), T.raw(st.deadline), T.raw(st.rto), T.raw(st.sent_at),
         T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen),
         T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard),
-        T.raw(st.delivered_sent), T.raw(st.delivered_ready), T.raw(st.delivered_column), T.raw(st.slots_used),
+        T.raw(st.delivered_sent), T.raw(st.delivered_ready), T.raw(st.delivered_column), T.raw(st.srtt),
+        T.raw(st.rttvar), T.raw(st.base_rto), T.raw(st.tail_pto), T.raw(st.slots_used),
         T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
         T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 

@@ -75,11 +75,12 @@ def warm_up() -> None:
             m.poll(now)
             # what the machines call from Python only later: on an allreduce that starts from the last
             # one's round-trip estimate, on a loss, for the pacer's report (this machine is done with)
-            CC.update_rto(m.st)
+            CC.update_rto(m.st, np.int64(0))
             CC.on_loss(m.st, 0.0)
             K.tail_candidates(m.st, np.empty(1, np.int64))     # a tail probe (R-L8)
             CC.judged_columns(m.st, np.int64(0))                # the rounds its RESULT makes overdue
             m.pacing
+            m.srtt
     _warm_up_transport(B)
     _done = True
 

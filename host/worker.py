@@ -37,7 +37,7 @@ class WorkerStats:
     tail_probes: int = 0     # of them, those sent for a quiet aggregator's round trips (R-L8)
     drops: dict = field(default_factory=dict)
     window: int = 0          # the last allreduce's window in bytes (the congestion window's, R-C*)
-    srtt: float | None = None   # its smoothed round trip, seconds
+    srtt: float | None = None   # the longest of its aggregators' smoothed round trips, seconds
     min_rtt: float | None = None
     window_cuts: tuple = (0, 0)  # congestion window cuts for delay and for loss (R-C3, R-C4), all allreduces
     spurious_entries: int = 0    # resent entries the aggregator already held (its STATUS answers; R-C4)

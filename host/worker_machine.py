@@ -40,10 +40,12 @@ _NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (
 
 
 class PathEstimate(NamedTuple):
-    """What one allreduce learnt about the path to the aggregators, for the next one (RFC 6298 keeps
-    its round-trip estimate per path, not per transfer; so does the congestion window here)."""
-    srtt: float | None
-    rttvar: float
+    """What one allreduce learnt about the paths to the aggregators, for the next one (RFC 6298 keeps
+    its round-trip estimate per path, not per transfer; so does the congestion window here, one for all
+    the aggregators). srtt and rttvar are per aggregator (NaN: none measured); a float stands for every
+    aggregator's."""
+    srtt: tuple[float, ...] | float
+    rttvar: tuple[float, ...] | float
     cwnd: float
     ssthresh: float
     min_rtt: float
@@ -227,7 +229,8 @@ class AllreduceMachine:
         entry = P.ENTRY_SIZE + 4 * self.B
         cap = np.inf if config.window in (None, "auto") else float(config.window)
         congestion = config.window is not None and config.congestion
-        fresh = path is None or path.srtt is None
+        srtt = np.full(A, np.nan) if path is None else np.broadcast_to(np.asarray(path.srtt, np.float64), (A,))
+        fresh = bool(np.isnan(srtt).all())
         cwnd = float(CC.INITIAL_WINDOW * entry) if fresh else path.cwnd
         window = (S if config.window is None else
                   int(min(S, max(1, min(cwnd, cap) // entry))) if congestion else
@@ -244,7 +247,9 @@ class AllreduceMachine:
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             tail_armed=np.zeros(A, np.int64),
             last_heard=np.zeros(A), delivered_sent=np.zeros(A), delivered_ready=np.zeros(A),
-            delivered_column=np.zeros(A, np.int64),
+            delivered_column=np.zeros(A, np.int64), srtt=srtt.copy(),
+            rttvar=np.zeros(A) if fresh else np.broadcast_to(np.asarray(path.rttvar, np.float64), (A,)).copy(),
+            base_rto=np.full(A, config.rto), tail_pto=np.full(A, np.inf),
             slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
@@ -253,13 +258,13 @@ class AllreduceMachine:
                 S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
             counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
-            f=np.array([config.rto, config.min_rto, config.max_rto, 0.0, 0.0, np.nan, config.timeout,
+            f=np.array([config.min_rto, config.max_rto, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
                         np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, -np.inf, np.inf,
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
                         -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
                         0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
-                        0.0 if fresh else path.other_queue, np.inf], np.float64),
+                        0.0 if fresh else path.other_queue], np.float64),
             i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         self.st.counts[9] = -1
@@ -280,11 +285,9 @@ class AllreduceMachine:
         i[WS.I_SOURCE_N] = source.n_values
         # sums into an output larger than the caches bypass them (stores.py); collected rows are read next
         i[WS.I_STREAM] = not output.collect and not source.is_int and streams(output.flat.nbytes)
-        if not fresh:
-            self.st.f[WS.F_SRTT], self.st.f[WS.F_RTTVAR] = path.srtt, path.rttvar
-            i[WS.I_HAS_SRTT] = 1
-            CC.update_rto(self.st)
-            self.st.rto[:] = self.st.f[WS.F_BASE_RTO]
+        for a in np.flatnonzero(~np.isnan(srtt)):
+            CC.update_rto(self.st, a)
+        self.st.rto[:] = self.st.base_rto[np.arange(S) % A]
         self.columns_of = [np.arange(a, S, A) for a in range(A)]
         self._quiet = np.zeros(A, bool)
         self._max_rows = max(1, (P.MAX_DATAGRAM - P.PACKET_HEADER_SIZE) // (P.ENTRY_SIZE + 4 * self.B))
@@ -316,7 +319,7 @@ class AllreduceMachine:
     last_heard = property(lambda self: self.st.last_heard)
     probe = property(lambda self: self.st.probe)
     admitted = property(lambda self: int(self.st.i[WS.I_ADMITTED]))
-    base_rto = property(lambda self: float(self.st.f[WS.F_BASE_RTO]))
+    base_rto = property(lambda self: self.st.base_rto.copy(), doc="per aggregator, R-L1's base timeout")
     bytes_sent = property(lambda self: int(self.st.i[WS.I_BYTES_SENT]))
     remaining = property(lambda self: int(self.st.i[WS.I_REMAINING]))
     # blocks of the sum that hold data so far: the union of the ranks' non-zero blocks, identical on every
@@ -365,18 +368,16 @@ class AllreduceMachine:
         f = self.st.f
         draining = f[WS.F_DRAIN_END] > -np.inf       # an allreduce that ends while draining: the saved window
         cwnd = max(f[WS.F_CWND], f[WS.F_DRAIN_CWND]) if draining else f[WS.F_CWND]
-        return PathEstimate(self.srtt, float(f[WS.F_RTTVAR]), float(cwnd), float(f[WS.F_SSTHRESH]),
+        return PathEstimate(tuple(self.st.srtt.tolist()), tuple(self.st.rttvar.tolist()), float(cwnd), float(f[WS.F_SSTHRESH]),
                             float(f[WS.F_MIN_RTT]), int(self.st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
                             int(self.st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
                             float(f[WS.F_OTHER_QUEUE]))
 
     @property
-    def srtt(self):
-        return float(self.st.f[WS.F_SRTT]) if self.st.i[WS.I_HAS_SRTT] else None
-
-    @property
-    def rttvar(self) -> float:
-        return float(self.st.f[WS.F_RTTVAR])
+    def srtt(self) -> float | None:
+        """The longest smoothed round trip over the aggregators (None: none measured)."""
+        t = CC.longest_srtt(self.st)
+        return None if np.isnan(t) else float(t)
 
     @property
     def last_progress(self):
@@ -461,7 +462,7 @@ class AllreduceMachine:
         if self.last_progress + self.cfg.timeout <= now:   # R-L5; the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
         self._check_silence(now)
-        np.less_equal(st.last_heard + self.base_rto, now, out=self._quiet)
+        np.less_equal(st.last_heard + st.base_rto, now, out=self._quiet)
         S = self.layout.columns
         for a in range(self.layout.aggregators):
             p = st.probe[a]
@@ -501,7 +502,7 @@ class AllreduceMachine:
         return self._datagrams(K.encode_columns(st, n + tails))
 
     def _tail_probes(self, now: float, taken_from: np.ndarray, n: int) -> int:
-        """R-L8 (after RACK's tail loss probe, RFC 8985, section 7): an aggregator quiet for F_TAIL_PTO
+        """R-L8 (after RACK's tail loss probe, RFC 8985, section 7): an aggregator quiet for its tail_pto
         while rounds this worker sent it await their results, with nothing of it expired or probed now,
         is sent the entry of one round in flight, as it was, after st.cols[:n]: lost rounds that no later
         round reveals (R-C4) end an allreduce, and R-L1's timer, backed off by every retransmission, is no
@@ -511,8 +512,7 @@ class AllreduceMachine:
         have completed since with its RESULT to this worker lost, which no other rank can ask for. Then none
         until the aggregator's next RESULT. Nothing backs off. Returns how many went out."""
         st = self.st
-        pto = st.f[WS.F_TAIL_PTO]
-        if not np.isfinite(pto):
+        if not np.isfinite(st.tail_pto).any():
             return 0
         probe_of = self._tail_probe_of
         K.tail_candidates(st, probe_of)
@@ -520,7 +520,7 @@ class AllreduceMachine:
         for a in range(self.layout.aggregators):
             c = int(probe_of[a])
             if (c < 0 or taken_from[a] or st.probe[a] >= 0 or st.loss_confirmed[a] or st.tail_armed[a] == 0
-                    or now < max(st.last_heard[a], st.sent_at[c]) + pto):
+                    or now < max(st.last_heard[a], st.sent_at[c]) + st.tail_pto[a]):
                 continue
             if st.tail_armed[a] < WS.TAIL_PROBES and c == self._tail_column[a]:
                 st.tail_armed[a] = 0                      # the round sent first is the one just asked after

@@ -47,6 +47,14 @@ class WorkerState(NamedTuple):
     delivered_sent: np.ndarray     # float64 [A]
     delivered_ready: np.ndarray    # float64 [A]
     delivered_column: np.ndarray   # int64 [A]
+    # per aggregator, its path's round-trip estimate (RFC 6298 keeps one per path; an aggregator further
+    # away, or one that waits for a core, answers later than another): the smoothed round trip (NaN: none
+    # measured yet), its variation, the base retransmission timeout (R-L1) and, as of the last flush, how
+    # long it may be quiet before a tail probe goes out (R-L8; inf: none)
+    srtt: np.ndarray           # float64 [A]
+    rttvar: np.ndarray         # float64 [A]
+    base_rto: np.ndarray       # float64 [A]
+    tail_pto: np.ndarray       # float64 [A]
     slots_used: np.ndarray     # int64 [A]
     allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
     cols: np.ndarray           # int64 [S]: scratch: columns to send
@@ -64,17 +72,17 @@ class WorkerState(NamedTuple):
 
 
 # f[]: timing and the congestion window
-(F_BASE_RTO, F_MIN_RTO, F_MAX_RTO, F_SRTT, F_RTTVAR, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
+(F_MIN_RTO, F_MAX_RTO, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_EPOCH_START, F_EPOCH_MIN,
  F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
  F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
- F_HOST_WAIT_AT, F_OTHER_QUEUE, F_TAIL_PTO) = range(34)
+ F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(30)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
- I_HAS_SRTT, I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
+ I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
  I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
  I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
- I_COMPETITIVE, I_DRAINS, I_QUEUED, I_SENT_ENTRIES, I_STREAM) = range(36)
+ I_COMPETITIVE, I_DRAINS, I_QUEUED, I_SENT_ENTRIES, I_STREAM) = range(35)
 N_I = I_STREAM + 1
 N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
 # WorkerState.own's fields, side by side because every entry of a round reads them together: in three
@@ -98,8 +106,7 @@ TAIL_PROBES = 2     # R-L8: per quiet spell of an aggregator: the round sent las
 # flow's (R-C8);
 # I_COMPETITIVE: drains that must find the queue empty before the path's delay target counts again (0: it
 # does; R-C8);
-# I_DRAINS: drains so far; I_SENT_ENTRIES: entries sent so far (sent_order's counter); F_TAIL_PTO: how
-# long an aggregator may be quiet before a tail probe goes out (R-L8; inf: none), as of the last flush
+# I_DRAINS: drains so far; I_SENT_ENTRIES: entries sent so far (sent_order's counter)
 # I_STREAM: sums go into the output with non-temporal stores (an output larger than the caches; zerosum.stores)
 # what a worker drops, by name (AllreduceMachine.drops)
 WORKER_DROPS = ("short", "version", "type", "foreign", "stale_epoch", "geometry", "length", "flags", "exponent",

@@ -48,7 +48,7 @@ def test_delay_above_target_cuts_in_proportion_once_per_epoch():
     m = machine(delay_target=0.005)
     st = m.st
     st.f[WS.F_MIN_RTT] = 0.002
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     st.f[WS.F_CWND] = 40 * ENTRY
     rtt = 0.012                                                     # 5 ms above the 7 ms allowed
     CC.on_rounds(st, 1, rtt, 1.0, 1.0 - rtt)                         # R-C3: the first sample ends an epoch
@@ -69,7 +69,7 @@ def test_delay_above_target_cuts_in_proportion_once_per_epoch():
 def test_loss_cuts_once_per_round_trip_by_half_behind_a_queue_and_never_below_one_column():
     m = machine()
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     st.f[WS.F_CWND] = 3 * ENTRY
     st.f[WS.F_QUEUE] = 0.5 * st.f[WS.F_TARGET]                       # the last epoch saw a queue: overflow
     CC.on_loss(st, 1.0)                                              # R-C4
@@ -83,7 +83,7 @@ def test_loss_cuts_once_per_round_trip_by_half_behind_a_queue_and_never_below_on
 def test_a_loss_without_a_queue_cuts_by_a_fifth():
     m = machine()
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     st.f[WS.F_CWND] = 40 * ENTRY
     st.f[WS.F_QUEUE] = 0.4 * st.f[WS.F_TARGET]                        # R-C4: noise rather than overflow
     CC.on_loss(st, 1.0)
@@ -93,7 +93,7 @@ def test_a_loss_without_a_queue_cuts_by_a_fifth():
 def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering_window():
     m = machine()
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     st.f[WS.F_CWND], st.f[WS.F_SSTHRESH] = 40 * ENTRY, 80 * ENTRY
     st.f[WS.F_QUEUE] = st.f[WS.F_TARGET]
     CC.on_loss(st, 1.0)
@@ -117,7 +117,7 @@ def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering
 def draining(wall_clock=0.0, srtt=0.01, cwnd=40, min_rtt=0.001):
     m = machine(wall_clock=wall_clock)
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = srtt, 1
+    st.srtt[:] = srtt
     st.f[WS.F_CWND], st.f[WS.F_MIN_RTT] = cwnd * ENTRY, min_rtt
     CC.set_window(st)
     return m
@@ -233,7 +233,7 @@ def rounds_in_flight(*sent_at):
     timers at 2.0, a 10 ms smoothed and 1 ms least round trip (RACK's tests, R-C4)."""
     m = machine()
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     st.f[WS.F_MIN_RTT] = 0.001
     n = len(sent_at)
     st.i[WS.I_ADMITTED] = n
@@ -320,7 +320,7 @@ def test_each_aggregator_is_a_path_of_its_own_for_loss_detection():
     aggregator 0 judges aggregator 0's older rounds only, and aggregator 1's own result its own."""
     m = machine(columns=8, aggregators=2)                 # columns 0, 2, 4, 6: aggregator 0; 1, 3, 5, 7: 1
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     st.f[WS.F_MIN_RTT] = 0.001
     st.i[WS.I_ADMITTED] = 8
     st.round_block[:] = 3
@@ -429,7 +429,7 @@ def test_an_epoch_lasts_long_enough_that_one_stalled_rank_cuts_nothing():
     m = machine(delay_target=0.005)
     st = m.st
     st.f[WS.F_MIN_RTT] = 0.0002
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.0003, 1
+    st.srtt[:] = 0.0003
     st.f[WS.F_CWND] = 40 * ENTRY
     CC.on_rounds(st, 1, 0.0003, 1.0, 0.9997)                         # the first sample ends an epoch
     CC.on_rounds(st, 1, 0.0003, 1.0005, 1.0002)                      # an unstalled round
@@ -521,10 +521,10 @@ def test_a_retransmission_is_judged_by_when_it_was_resent_and_its_result_marks_n
     st.sent_at[:] = 1.04
     st.sent_at[5:7], st.resent[5:7] = 1.03, True          # columns 5 and 6: retransmitted at 1.03
     _deliver_and_detect(m, st, 6, 1.05)
-    assert st.delivered_sent[0] == 0.0 and not st.i[WS.I_HAS_SRTT] and (st.deadline[:6] == 2.0).all()
+    assert st.delivered_sent[0] == 0.0 and np.isnan(st.srtt[0]) and (st.deadline[:6] == 2.0).all()
     _deliver_and_detect(m, st, 7, 1.06)                   # a round first sent at 1.04 completes: column 5's
     assert st.deadline[5] == 1.06 and st.loss_confirmed[0]   # retransmission, 10 ms before it, is lost again
-    assert (st.deadline[:5] == 2.0).all() and st.i[WS.I_HAS_SRTT]
+    assert (st.deadline[:5] == 2.0).all() and st.srtt[0] > 0
 
 
 def test_without_a_window_a_status_widens_no_reordering_window_and_a_second_result_does():
@@ -547,7 +547,7 @@ def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
     m = machine(columns=4)
     st = m.st
     st.round_block[:] = 0                                           # every column at its first round past BOOT
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.01, 1
+    st.srtt[:] = 0.01
     ent = P.entries_array(2)
     ent[0] = (1, 0, 0, 0b11, 0, P.NO_EXP)                           # slot 1: both ranks heard, round of block 0
     ent[1] = (2, 0, 2, 0b01, 0, P.NO_EXP)                           # slot 2: not its current round: not counted
@@ -580,7 +580,7 @@ def _marked_epochs(flags, ce, epochs=3, per_epoch=4):
     config = WorkerConfig(rank=0, world=2, job=1, block_size=B, window="auto")
     m = AllreduceMachine(config, 1, source, Layout(1, 1, source.nblocks), DenseResult(np.zeros_like(x)))
     st = m.st
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.001, 1
+    st.srtt[:] = 0.001
     st.f[WS.F_CWND] = 40 * ENTRY
     now, block = 1.0, 0
     for _ in range(epochs):
@@ -613,7 +613,7 @@ def test_without_marks_the_same_rounds_cut_nothing():
 def test_a_mark_stops_growth_until_an_unmarked_epoch_and_a_loss_after_it_halves():
     m = machine()
     st = m.st
-    st.f[WS.F_MIN_RTT], st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = 0.001, 0.001, 1
+    st.f[WS.F_MIN_RTT], st.srtt[:] = 0.001, 0.001
     st.f[WS.F_CWND] = 40 * ENTRY
     CC.on_mark(st)
     CC.on_rounds(st, 1, 0.001, 1.0, 0.999)                           # the epoch's verdict: marked, a cut
@@ -668,7 +668,7 @@ def rounds_ready(srtt=0.01, cwnd=40, now=1.0, **cfg):
     st = m.st
     st.round_block[:] = np.arange(64)                               # column c's round: its own block c
     st.round_exp[:] = 1
-    st.f[WS.F_SRTT], st.i[WS.I_HAS_SRTT] = srtt, 1
+    st.srtt[:] = srtt
     st.f[WS.F_MIN_RTT], st.f[WS.F_QUEUE] = srtt, 0.0                  # the pacer's round trip: the last epoch's least
     if st.i[WS.I_CONGESTION]:
         st.f[WS.F_CWND] = cwnd * ENTRY
@@ -728,7 +728,7 @@ def test_the_pacer_runs_at_1_2_times_the_window_after_slow_start_and_sends_two_d
 
 def test_no_pacing_before_a_round_trip_sample_or_without_the_congestion_window():
     m = rounds_ready()
-    m.st.i[WS.I_HAS_SRTT], m.st.f[WS.F_MIN_RTT] = 0, np.inf
+    m.st.srtt[:], m.st.f[WS.F_MIN_RTT] = np.nan, np.inf
     assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == 40      # the window alone limits
     for cfg, window in ((dict(window=None), 64), (dict(window=40 * ENTRY, congestion=False), 40),
                         (dict(pacing=False), 40)):
@@ -845,6 +845,49 @@ def test_an_aggregator_that_answers_later_than_another_loses_nothing():
     assert all(np.array_equal(o, ref) for o in run.outputs)
     assert sum(m.retransmitted for m in run.machines) == 0
     assert all(m.spurious_entries <= m.tail_probes for m in run.machines)    # (R-L8's probes, no more)
+
+
+def test_each_aggregator_has_a_round_trip_estimate_of_its_own():
+    """R-L1 and R-L8 per aggregator (RFC 6298 keeps its estimate per path): a sample from one aggregator
+    moves its own timeout and tail probe timeout only, and an allreduce starts from each one's estimate
+    of the last."""
+    m = machine(columns=64, aggregators=2, min_rto=0.01)
+    st = m.st
+    assert np.isnan(st.srtt).all() and (m.base_rto == 0.2).all() and m.srtt is None
+    CC.measure(st, 1, 0.05)                                  # the further aggregator
+    assert np.isnan(st.srtt[0]) and st.srtt[1] == 0.05 and st.rttvar[1] == 0.025
+    assert m.base_rto[0] == 0.2 and m.base_rto[1] == pytest.approx(0.05 + 4 * 0.025)
+    CC.measure(st, 0, 0.001)
+    assert st.srtt[1] == 0.05 and m.base_rto[0] == pytest.approx(0.01) and m.srtt == 0.05
+    st.srtt[:], st.rttvar[:], st.f[WS.F_MIN_RTT] = (0.001, 0.05), (0.0, 0.05), 0.001
+    CC.update_rto(st, 1)
+    assert m.base_rto[1] == pytest.approx(0.25)
+    pto = [CC.tail_probe_timeout(st, a, 1.0) for a in range(2)]
+    # 2 srtt + the reordering window (at least the delay target, 5 ms) of each path, under its own timeout
+    assert pto[0] == pytest.approx(0.002 + 0.005) and pto[1] == pytest.approx(0.1 + 0.005)
+    st.srtt[0] = 0.003                                       # 11 ms: not under aggregator 0's 10 ms timeout
+    assert CC.tail_probe_timeout(st, 0, 1.0) == np.inf and CC.tail_probe_timeout(st, 1, 1.0) == pto[1]
+    nxt = machine(columns=64, aggregators=2, min_rto=0.01, path=m.path)
+    assert np.array_equal(nxt.st.srtt, st.srtt) and np.array_equal(nxt.base_rto, m.base_rto)
+    assert (nxt.st.rto[0::2] == m.base_rto[0]).all() and (nxt.st.rto[1::2] == m.base_rto[1]).all()
+
+
+def test_an_aggregator_further_away_than_another_is_not_taken_for_a_loss():
+    """Of two aggregators one answers 50 ms after the other (further away, or slow), with and without the
+    congestion window. With one round-trip estimate for both, the nearer one's samples set the timeout
+    (at its 50 ms least) and the tail probe's (a few ms) for both: each rank resent 15 entries and sent 3
+    tail probes and 4 probes, all answered as held. With one per aggregator nothing is resent or probed,
+    and each estimate is its own path's."""
+    arrays = dense(world=2, n=1 << 18)
+    ref = reference_allreduce(arrays, B)
+    for window in (None, "auto"):
+        run = run_timed(arrays, answer_after=(0.0, 0.05), rate=1000 * MBIT, delay=1e-4, queue=1 << 20,
+                        window=window, slots=16)
+        assert all(np.array_equal(o, ref) for o in run.outputs)
+        assert sum(m.retransmitted + m.probes + m.spurious_entries for m in run.machines) == 0
+        for m in run.machines:
+            near, far = m.path.srtt
+            assert near < 0.005 and 0.05 <= far < 0.06 and m.srtt == far
 
 
 def test_follows_a_rate_that_halves_mid_run():

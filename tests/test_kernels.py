@@ -715,7 +715,7 @@ def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(column
         st.last_heard[:] = rng.uniform(0, 2, aggregators)
         st.probe[:] = np.where(rng.random(aggregators) < 0.3, rng.integers(0, S, aggregators), -1)
         st.loss_confirmed[:] = rng.random(aggregators) < 0.2
-        st.f[WS.F_BASE_RTO] = rng.uniform(0.01, 0.5)
+        st.base_rto[:] = rng.uniform(0.01, 0.5, aggregators)
         st.f[WS.F_LAST_PROGRESS] = rng.uniform(0, 2)
         st.i[WS.I_REMAINING] = 0 if rng.random() < 0.05 else S
         now = rng.uniform(0, 2.5)
