@@ -745,7 +745,7 @@ def receive_one(st, b, n, aggregator, now, ce):
                 st.delivered_sent[aggregator] = st.counts[6] * 1e-9
                 st.delivered_ready[aggregator] = st.counts[9] * 1e-9
                 st.delivered_column[aggregator] = st.counts[8]
-            on_rounds(st, st.counts[4], st.counts[5] * 1e-9, now, st.counts[6] * 1e-9)
+            on_rounds(st, aggregator, st.counts[4], st.counts[5] * 1e-9, now, st.counts[6] * 1e-9)
         st.counts[4] = 0
         st.counts[5] = -1
         st.counts[6] = -1
@@ -828,7 +828,8 @@ def _raw_state(st):
         T.raw(st.sent_order), T.raw(st.resent), T.raw(st.ready_at), T.raw(st.waiting_for), T.raw(st.status_seen),
         T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard),
         T.raw(st.delivered_sent), T.raw(st.delivered_ready), T.raw(st.delivered_column), T.raw(st.srtt),
-        T.raw(st.rttvar), T.raw(st.base_rto), T.raw(st.tail_pto), T.raw(st.slots_used),
+        T.raw(st.rttvar), T.raw(st.base_rto), T.raw(st.tail_pto), T.raw(st.min_rtt),
+        T.raw(st.epoch_min), T.raw(st.drain_min), T.raw(st.slots_used),
         T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
         T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 

@@ -80,7 +80,7 @@ def warm_up() -> None:
             K.tail_candidates(m.st, np.empty(1, np.int64))     # a tail probe (R-L8)
             CC.judged_columns(m.st, np.int64(0))                # the rounds its RESULT makes overdue
             m.pacing
-            m.srtt
+            m.srtt, m.min_rtt
     _warm_up_transport(B)
     _done = True
 

@@ -38,7 +38,7 @@ class WorkerStats:
     drops: dict = field(default_factory=dict)
     window: int = 0          # the last allreduce's window in bytes (the congestion window's, R-C*)
     srtt: float | None = None   # the longest of its aggregators' smoothed round trips, seconds
-    min_rtt: float | None = None
+    min_rtt: float | None = None   # the least of its aggregators' least round trips
     window_cuts: tuple = (0, 0)  # congestion window cuts for delay and for loss (R-C3, R-C4), all allreduces
     spurious_entries: int = 0    # resent entries the aggregator already held (its STATUS answers; R-C4)
     drains: int = 0              # the congestion window's drains (R-C8), all allreduces
@@ -502,7 +502,7 @@ class Worker:
             # (the path's window: an allreduce that ended in a drain (R-C8) held 2 entries only for it)
             self.stats.window = int(self._path.cwnd) if m.st.i[WS.I_CONGESTION] else m.window_columns * (
                 P.ENTRY_SIZE + 4 * self.block_size)
-            self.stats.srtt, self.stats.min_rtt = m.srtt, (m.path.min_rtt if np.isfinite(m.path.min_rtt) else None)
+            self.stats.srtt, self.stats.min_rtt = m.srtt, m.min_rtt
             cuts = m.window_cuts
             self.stats.window_cuts = (self.stats.window_cuts[0] + cuts[0], self.stats.window_cuts[1] + cuts[1])
             self.stats.spurious_entries += m.spurious_entries

@@ -42,13 +42,13 @@ _NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (
 class PathEstimate(NamedTuple):
     """What one allreduce learnt about the paths to the aggregators, for the next one (RFC 6298 keeps
     its round-trip estimate per path, not per transfer; so does the congestion window here, one for all
-    the aggregators). srtt and rttvar are per aggregator (NaN: none measured); a float stands for every
-    aggregator's."""
+    the aggregators). srtt, rttvar and min_rtt are per aggregator (NaN, inf: none measured); a float stands
+    for every aggregator's."""
     srtt: tuple[float, ...] | float
     rttvar: tuple[float, ...] | float
     cwnd: float
     ssthresh: float
-    min_rtt: float
+    min_rtt: tuple[float, ...] | float   # per aggregator, the least round trip (inf: none measured)
     reorder: int = 1        # the reordering window's multiple (R-C4)
     drain_slot: float = -np.inf   # the last wall-clock period drained (R-C8)
     competitive: int = 0          # drains without a queue to go before delay counts again (R-C8)
@@ -250,6 +250,8 @@ class AllreduceMachine:
             delivered_column=np.zeros(A, np.int64), srtt=srtt.copy(),
             rttvar=np.zeros(A) if fresh else np.broadcast_to(np.asarray(path.rttvar, np.float64), (A,)).copy(),
             base_rto=np.full(A, config.rto), tail_pto=np.full(A, np.inf),
+            min_rtt=np.full(A, np.inf) if fresh else np.broadcast_to(np.asarray(path.min_rtt, np.float64), (A,)).copy(),
+            epoch_min=np.full(A, np.inf), drain_min=np.full(A, np.inf),
             slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
@@ -260,9 +262,9 @@ class AllreduceMachine:
             counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
             f=np.array([config.min_rto, config.max_rto, np.nan, config.timeout,
                         config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
-                        np.inf if fresh else path.min_rtt, -np.inf, config.delay_target, cap, -np.inf, np.inf,
+                        -np.inf, config.delay_target, cap, -np.inf,
                         0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
-                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, np.inf, 0.0, -np.inf,
+                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, 0.0, -np.inf,
                         0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
                         0.0 if fresh else path.other_queue], np.float64),
             i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
@@ -369,9 +371,15 @@ class AllreduceMachine:
         draining = f[WS.F_DRAIN_END] > -np.inf       # an allreduce that ends while draining: the saved window
         cwnd = max(f[WS.F_CWND], f[WS.F_DRAIN_CWND]) if draining else f[WS.F_CWND]
         return PathEstimate(tuple(self.st.srtt.tolist()), tuple(self.st.rttvar.tolist()), float(cwnd), float(f[WS.F_SSTHRESH]),
-                            float(f[WS.F_MIN_RTT]), int(self.st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
+                            tuple(self.st.min_rtt.tolist()), int(self.st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
                             int(self.st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
                             float(f[WS.F_OTHER_QUEUE]))
+
+    @property
+    def min_rtt(self) -> float | None:
+        """The least round trip over the aggregators (None: none measured)."""
+        t = CC.least_rtt(self.st)
+        return float(t) if np.isfinite(t) else None
 
     @property
     def srtt(self) -> float | None:

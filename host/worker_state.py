@@ -55,6 +55,12 @@ class WorkerState(NamedTuple):
     rttvar: np.ndarray         # float64 [A]
     base_rto: np.ndarray       # float64 [A]
     tail_pto: np.ndarray       # float64 [A]
+    # per aggregator, the least round trip of its path (past bootstraps; inf: none yet), of this
+    # measurement epoch's rounds (R-C3) and of the rounds sent while draining (R-C8): a queue is a round
+    # trip above its own path's least, not above another aggregator's
+    min_rtt: np.ndarray        # float64 [A]
+    epoch_min: np.ndarray      # float64 [A]
+    drain_min: np.ndarray      # float64 [A]
     slots_used: np.ndarray     # int64 [A]
     allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
     cols: np.ndarray           # int64 [S]: scratch: columns to send
@@ -73,10 +79,10 @@ class WorkerState(NamedTuple):
 
 # f[]: timing and the congestion window
 (F_MIN_RTO, F_MAX_RTO, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
- F_CWND, F_SSTHRESH, F_MIN_RTT, F_NEXT_CUT, F_TARGET, F_CAP, F_EPOCH_START, F_EPOCH_MIN,
+ F_CWND, F_SSTHRESH, F_NEXT_CUT, F_TARGET, F_CAP, F_EPOCH_START,
  F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
- F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_MIN, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
- F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(30)
+ F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
+ F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(27)
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
@@ -92,6 +98,7 @@ OWN_BLOCK, OWN_EXP, OWN_ROW = range(3)
 # RESULT may have been lost (R-C4, R-L8); a STATUS that answers it is no spurious retransmission
 ASKED = -2
 TAIL_PROBES = 2     # R-L8: per quiet spell of an aggregator: the round sent last, then the first
+# F_QUEUE: the last epoch's verdict, the largest queue over the aggregators' paths (R-C3).
 # I_MARKS: datagrams that came with an ECN mark, echoed or their own; I_EPOCH_MARKED: one came in this
 # measurement epoch; I_MARKED: the last epoch's verdict was a mark (R-C6). F_PACE_CREDIT: the pacer's
 # bucket in bytes, as of F_PACE_AT; I_PACING: the pacer is on; I_PACE_HELD: the last flush left columns
@@ -99,7 +106,7 @@ TAIL_PROBES = 2     # R-L8: per quiet spell of an aggregator: the round sent las
 # aggregator whose columns the next flush takes first (R-C7).
 # F_WALL_CLOCK: wall-clock time minus the driver's clock (drains start on the wall clock's period, R-C8);
 # F_DRAIN_SLOT: the last period drained (or, -inf, none seen yet); F_DRAIN_START/END: the drain under way
-# (END -inf: none); F_DRAIN_MIN: its least round trip; F_DRAIN_CWND: the window it will restore;
+# (END -inf: none; its least round trips: drain_min); F_DRAIN_CWND: the window it will restore;
 # F_RACK_FROM: loss detection judges only rounds sent since (R-C8); F_HOST_WAIT: the longest a datagram
 # waited in this worker's socket before it was read, fading by half every HOST_WAIT_HALF_LIFE, as of
 # F_HOST_WAIT_AT (R-C4); F_OTHER_QUEUE: the queue that the last drain which found one saw: another
