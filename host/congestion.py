@@ -403,11 +403,12 @@ def drain_step(st, now):
 def end_drain(st, now):
     """R-C8: the drain is over: the window it saved comes back, and a new measurement epoch begins. The
     verdict: when the least round trip of the rounds sent while draining stayed more than half the delay
-    target above the least seen on the same aggregator's path, the queue did not drain although every ZeroSum worker drained: a flow
-    that does not yield to delay (TCP) keeps it. Until COMPETITIVE_DRAINS drains in a row find the queue
-    empty, the window then grows from slow start, may build as much queue again as that flow keeps
-    (queue_target) and is halved on loss, as loss-based flows are (Copa's competitive mode, Arun &
-    Balakrishnan, NSDI'18, section 5: a delay target alone hands the link to such a flow)."""
+    target above the least seen on the same aggregator's path, the queue did not drain although every
+    ZeroSum worker drained: a flow that does not yield to delay (TCP) keeps it. Until COMPETITIVE_DRAINS
+    drains in a row find the queue empty, the window then grows from slow start, may build as much queue
+    again as that flow keeps (queue_target) and is halved on loss, as loss-based flows are (Copa's
+    competitive mode, Arun & Balakrishnan, NSDI'18, section 5: a delay target alone hands the link to such
+    a flow)."""
     f, i = st.f, st.i
     f[F_CWND] = max(f[F_CWND], f[F_DRAIN_CWND])
     f[F_RACK_FROM] = f[F_DRAIN_END] + DRAIN_TIME   # ranks whose drains differ by one DRAIN_TIME
@@ -450,8 +451,9 @@ def pacing_rate(st):
     """R-C7: the pacer's rate in bytes per second, gain x cwnd / rtt (RFC 9002, section 7.7; the gains
     are Linux's tcp_update_pacing_rate: twice the window per round trip while the window is under half
     of ssthresh, as slow start doubles it, 1.2 times after), where rtt is the nearest aggregator's least
-    round trip plus the last epoch's queue (R-C3), not srtt, which rounds that waited for a rank with a smaller window raise; inf when there is
-    no pacer (no congestion window), no round-trip sample yet, or a round trip under the bucket's time."""
+    round trip plus the last epoch's queue (R-C3), not srtt, which rounds that waited for a rank with a
+    smaller window raise; inf when there is no pacer (no congestion window), no round-trip sample yet, or
+    a round trip under the bucket's time."""
     f = st.f
     rtt = least_rtt(st) + max(0.0, f[F_QUEUE])
     if not st.i[I_PACING] or not np.isfinite(rtt) or rtt <= 0.0:

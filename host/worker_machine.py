@@ -39,6 +39,14 @@ DELAY_TARGET = 0.005   # R-C3: well under the 50 ms a shaper or switch port typi
 _NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (kernels.sort_by_column)
 
 
+def _per_aggregator(value, aggregators: int) -> np.ndarray:
+    """A PathEstimate field as one float64 per aggregator (a float: the same for each)."""
+    per = np.asarray(value, np.float64)
+    if per.ndim and per.shape != (aggregators,):
+        raise ValueError(f"a path estimate for {per.shape[0]} aggregators, not {aggregators}")
+    return np.full(aggregators, per) if not per.ndim else per.copy()
+
+
 class PathEstimate(NamedTuple):
     """What one allreduce learnt about the paths to the aggregators, for the next one (RFC 6298 keeps
     its round-trip estimate per path, not per transfer; so does the congestion window here, one for all
@@ -229,7 +237,7 @@ class AllreduceMachine:
         entry = P.ENTRY_SIZE + 4 * self.B
         cap = np.inf if config.window in (None, "auto") else float(config.window)
         congestion = config.window is not None and config.congestion
-        srtt = np.full(A, np.nan) if path is None else np.broadcast_to(np.asarray(path.srtt, np.float64), (A,))
+        srtt = np.full(A, np.nan) if path is None else _per_aggregator(path.srtt, A)
         fresh = bool(np.isnan(srtt).all())
         cwnd = float(CC.INITIAL_WINDOW * entry) if fresh else path.cwnd
         window = (S if config.window is None else
@@ -247,10 +255,9 @@ class AllreduceMachine:
             status_seen=np.zeros(S, bool), probe=np.full(A, -1, np.int64), loss_confirmed=np.zeros(A, bool),
             tail_armed=np.zeros(A, np.int64),
             last_heard=np.zeros(A), delivered_sent=np.zeros(A), delivered_ready=np.zeros(A),
-            delivered_column=np.zeros(A, np.int64), srtt=srtt.copy(),
-            rttvar=np.zeros(A) if fresh else np.broadcast_to(np.asarray(path.rttvar, np.float64), (A,)).copy(),
-            base_rto=np.full(A, config.rto), tail_pto=np.full(A, np.inf),
-            min_rtt=np.full(A, np.inf) if fresh else np.broadcast_to(np.asarray(path.min_rtt, np.float64), (A,)).copy(),
+            delivered_column=np.zeros(A, np.int64), srtt=srtt,
+            rttvar=np.zeros(A) if fresh else _per_aggregator(path.rttvar, A), base_rto=np.full(A, config.rto),
+            tail_pto=np.full(A, np.inf), min_rtt=np.full(A, np.inf) if fresh else _per_aggregator(path.min_rtt, A),
             epoch_min=np.full(A, np.inf), drain_min=np.full(A, np.inf),
             slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
@@ -370,8 +377,9 @@ class AllreduceMachine:
         f = self.st.f
         draining = f[WS.F_DRAIN_END] > -np.inf       # an allreduce that ends while draining: the saved window
         cwnd = max(f[WS.F_CWND], f[WS.F_DRAIN_CWND]) if draining else f[WS.F_CWND]
-        return PathEstimate(tuple(self.st.srtt.tolist()), tuple(self.st.rttvar.tolist()), float(cwnd), float(f[WS.F_SSTHRESH]),
-                            tuple(self.st.min_rtt.tolist()), int(self.st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
+        st = self.st
+        return PathEstimate(tuple(st.srtt.tolist()), tuple(st.rttvar.tolist()), float(cwnd), float(f[WS.F_SSTHRESH]),
+                            tuple(st.min_rtt.tolist()), int(st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
                             int(self.st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
                             float(f[WS.F_OTHER_QUEUE]))
 

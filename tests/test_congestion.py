@@ -870,6 +870,8 @@ def test_each_aggregator_has_a_round_trip_estimate_of_its_own():
     nxt = machine(columns=64, aggregators=2, min_rto=0.01, path=m.path)
     assert np.array_equal(nxt.st.srtt, st.srtt) and np.array_equal(nxt.base_rto, m.base_rto)
     assert (nxt.st.rto[0::2] == m.base_rto[0]).all() and (nxt.st.rto[1::2] == m.base_rto[1]).all()
+    with pytest.raises(ValueError, match="a path estimate for 2 aggregators, not 1"):
+        machine(columns=64, aggregators=1, path=m.path)
 
 
 def test_each_aggregator_s_queue_is_measured_against_its_own_least_round_trip():
