@@ -47,6 +47,24 @@ def _per_aggregator(value, aggregators: int) -> np.ndarray:
     return np.full(aggregators, per) if not per.ndim else per.copy()
 
 
+def _timing(config: "WorkerConfig", cwnd: float, cap: float, average: bool, path: "PathEstimate | None"):
+    """The state record's f[] (zerosum.worker_state's F_*) at an allreduce's start, by name: the timers'
+    bounds, the window, and what `path` (None: nothing) carried over from the last allreduce."""
+    f = np.zeros(WS.N_F)
+    f[[WS.F_LAST_PROGRESS, WS.F_REO_EPOCH]] = np.nan
+    f[[WS.F_NEXT_CUT, WS.F_EPOCH_START, WS.F_PACE_AT, WS.F_DRAIN_SLOT, WS.F_DRAIN_START, WS.F_DRAIN_END,
+       WS.F_RACK_FROM]] = -np.inf
+    f[WS.F_MIN_RTO], f[WS.F_MAX_RTO], f[WS.F_TIMEOUT] = config.min_rto, config.max_rto, config.timeout
+    f[WS.F_DIVISOR] = config.world if average else 1
+    f[WS.F_CWND], f[WS.F_CAP], f[WS.F_SSTHRESH] = cwnd, cap, np.inf
+    f[WS.F_TARGET], f[WS.F_WALL_CLOCK], f[WS.F_DRAIN_PERIOD] = config.delay_target, config.wall_clock, CC.DRAIN_PERIOD
+    if path is not None:
+        f[WS.F_SSTHRESH], f[WS.F_DRAIN_SLOT] = path.ssthresh, path.drain_slot
+        f[WS.F_HOST_WAIT], f[WS.F_HOST_WAIT_AT] = path.host_wait, path.host_wait_at
+        f[WS.F_OTHER_QUEUE] = path.other_queue
+    return f
+
+
 class PathEstimate(NamedTuple):
     """What one allreduce learnt about the paths to the aggregators, for the next one (RFC 6298 keeps
     its round-trip estimate per path, not per transfer; so does the congestion window here, one for all
@@ -267,13 +285,7 @@ class AllreduceMachine:
                 S * (P.ENTRY_SIZE + per_data) + (S + A) * P.PACKET_HEADER_SIZE),
             cuts=np.zeros((S + A, 3), np.int64), values=output.flat, blocks_out=self._blocks_out(),
             counts=output.count if output.collect else np.zeros(WS.N_COUNTS, np.int64),
-            f=np.array([config.min_rto, config.max_rto, np.nan, config.timeout,
-                        config.world if average else 1, min(cwnd, cap), np.inf if fresh else path.ssthresh,
-                        -np.inf, config.delay_target, cap, -np.inf,
-                        0.0, 0.0, 0.0, np.nan, 0.0, -np.inf, config.wall_clock, CC.DRAIN_PERIOD,
-                        -np.inf if fresh else path.drain_slot, -np.inf, -np.inf, 0.0, -np.inf,
-                        0.0 if fresh else path.host_wait, 0.0 if fresh else path.host_wait_at,
-                        0.0 if fresh else path.other_queue], np.float64),
+            f=_timing(config, min(cwnd, cap), cap, average, None if fresh else path),
             i=np.zeros(WS.N_I, np.int64), drops=np.zeros(len(WS.WORKER_DROPS), np.int64))
         self.st.counts[5:7] = -1
         self.st.counts[9] = -1
