@@ -112,6 +112,17 @@ def queue_target(st):
     return 2.0 * st.f[F_OTHER_QUEUE] + st.f[F_TARGET] if st.i[I_COMPETITIVE] else st.f[F_TARGET]
 
 
+@njit(inline="always", **JIT)
+def largest_queue(st, least):
+    """The largest queue over the aggregators' paths, least[a] - min_rtt[a] for each aggregator a with a
+    round trip in `least` (inf: none), and that path's round trip: (-inf, inf) where none has one."""
+    queue, rtt = -np.inf, np.inf
+    for a in range(least.shape[0]):
+        if least[a] < np.inf and least[a] - st.min_rtt[a] > queue:
+            queue, rtt = least[a] - st.min_rtt[a], least[a]
+    return queue, rtt
+
+
 @njit(**JIT)
 def end_epoch(st, now):
     """R-C3: the delay verdict, once per measurement epoch (one round trip: from the epoch's start until a
@@ -124,13 +135,8 @@ def end_epoch(st, now):
     0.34 s allreduce, which then took 1.39 s."""
     f, i = st.f, st.i
     f[F_EPOCH_START] = now
-    queue = -np.inf
-    rtt = np.inf
-    for a in range(st.epoch_min.shape[0]):
-        if st.epoch_min[a] < np.inf and st.epoch_min[a] - st.min_rtt[a] > queue:
-            queue = st.epoch_min[a] - st.min_rtt[a]
-            rtt = st.epoch_min[a]
-        st.epoch_min[a] = np.inf
+    queue, rtt = largest_queue(st, st.epoch_min)
+    st.epoch_min[:] = np.inf
     if not np.isfinite(rtt) or not i[I_CONGESTION]:
         return                      # without the window, epochs only pace R-C4's reordering window
     # R-C6: an ECN mark in the epoch is a verdict above the target, whatever the delay: a queue on the
@@ -159,11 +165,11 @@ def on_mark(st):
 
 @njit(inline="always", **JIT)
 def on_rounds(st, a, acked, rtt, now, sent):
-    """`acked` rounds past the bootstrap completed at aggregator a, the quickest of those sent once took `rtt` seconds
-    and the latest of them was sent at `sent` (both negative: none). R-C2: the window grows while the
-    last epoch's queue stayed within the target, by one entry per completed round in slow start and by one
-    entry per window's worth of rounds after (Reno's additive increase), and only while the window, not the
-    tensor, limits what is in flight. R-C3: the epoch's verdict (end_epoch)."""
+    """`acked` rounds past the bootstrap completed at aggregator a, the quickest of those sent once took
+    `rtt` seconds and the latest of them was sent at `sent` (both negative: none). R-C2: the window grows
+    while the last epoch's queue stayed within the target, by one entry per completed round in slow start
+    and by one entry per window's worth of rounds after (Reno's additive increase), and only while the
+    window, not the tensor, limits what is in flight. R-C3: the epoch's verdict (end_epoch)."""
     f, i = st.f, st.i
     entry = np.float64(i[I_ENTRY])
     if f[F_DRAIN_END] > -np.inf:    # draining (R-C8): only the round trips count
@@ -415,10 +421,7 @@ def end_drain(st, now):
     f[F_DRAIN_END] = -np.inf
     f[F_EPOCH_START] = now
     st.epoch_min[:] = np.inf
-    queue = -np.inf                 # the largest queue that the drain left on an aggregator's path
-    for a in range(st.drain_min.shape[0]):
-        if st.drain_min[a] < np.inf:
-            queue = max(queue, st.drain_min[a] - st.min_rtt[a])
+    queue, _ = largest_queue(st, st.drain_min)      # the largest that the drain left on a path
     if queue > -np.inf:
         if queue > 0.5 * f[F_TARGET]:
             if not i[I_COMPETITIVE]:
