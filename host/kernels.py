@@ -655,8 +655,7 @@ def next_timer(st, due_by):
         if round_block[c] != END and deadline[c] < first[c % aggregators]:
             first[c % aggregators] = deadline[c]
     probe_of = np.empty(aggregators, np.int64)
-    tails = pto.min() < np.inf
-    if tails:
+    if pto.min() < np.inf:
         tail_candidates(st, probe_of)
     t = np.inf
     for a in range(aggregators):
@@ -666,7 +665,7 @@ def next_timer(st, due_by):
             d = first[a]
         else:
             d = max(first[a], last_heard[a] + base_rto[a])
-            if tails and pto[a] < np.inf and armed[a] and probe_of[a] >= 0:
+            if pto[a] < np.inf and armed[a] and probe_of[a] >= 0:      # (then tail_candidates ran)
                 d = min(d, max(last_heard[a], st.sent_at[probe_of[a]]) + pto[a])
         t = min(t, d)
     return t

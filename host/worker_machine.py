@@ -392,7 +392,7 @@ class AllreduceMachine:
         st = self.st
         return PathEstimate(tuple(st.srtt.tolist()), tuple(st.rttvar.tolist()), float(cwnd), float(f[WS.F_SSTHRESH]),
                             tuple(st.min_rtt.tolist()), int(st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
-                            int(self.st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
+                            int(st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
                             float(f[WS.F_OTHER_QUEUE]))
 
     @property

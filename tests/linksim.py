@@ -86,13 +86,13 @@ def run_timed(arrays, *, rate: float, delay: float, queue: int, block_size: int 
               max_datagram: int = 1472, window="auto", congestion: bool = True, delay_target: float = 0.005,
               path=None, changes=(), slots: int | None = None, until: float = 60.0, loss: float = 0.0,
               seed: int = 0, pacing: bool = True, watch_from: float = 0.0, answer_after=(0.0,)) -> Run:
-    """One allreduce of `arrays` (one per rank) through one aggregator over links of `rate` bytes/s,
-    `delay` seconds and `queue` bytes in each direction. `changes`: (time, rate) pairs that set every
-    link's rate from that time on. `path`: PathEstimate per rank from an earlier run (or None). `loss`:
-    the chance that a link loses a datagram it carried (random loss, not congestion). `pacing`:
-    WorkerConfig.pacing. `watch_from`: the links list their bursts from this time on (Link.bursts).
-    `answer_after`: one aggregator per entry (the columns striped over them), each taking a datagram
-    that many seconds after it arrived (an aggregator that waits for a core)."""
+    """One allreduce of `arrays` (one per rank) through the aggregators of `answer_after` (one by
+    default) over links of `rate` bytes/s, `delay` seconds and `queue` bytes in each direction. `changes`:
+    (time, rate) pairs that set every link's rate from that time on. `path`: PathEstimate per rank from an
+    earlier run (or None). `loss`: the chance that a link loses a datagram it carried (random loss, not
+    congestion). `pacing`: WorkerConfig.pacing. `watch_from`: the links list their bursts from this time
+    on (Link.bursts). `answer_after`: one aggregator per entry (the columns striped over them), each taking
+    a datagram that many seconds after it arrived (an aggregator that waits for a core)."""
     rng = np.random.default_rng(seed)
     world = len(arrays)
     aggs = [AggregatorMachine(1, world, slots=slots or 4096) for _ in answer_after]
