@@ -41,10 +41,12 @@ def measure(st, a, r):
 
 @njit(inline="always", **JIT)
 def update_rto(st, a):
-    """Aggregator a's base timeout from its estimate: srtt + 4 rttvar within [min_rto, max_rto] (RFC 6298,
-    2.3)."""
+    """Aggregator a's base timeout from its estimate: srtt + 4 rttvar (RFC 6298, 2.3), the variation term at
+    least min_rto, the whole at most max_rto. Linux floors the term, not the sum (tcp_rtt_estimator keeps
+    rttvar at least tcp_rto_min): on a steady path rttvar decays to nothing, and a floor under the sum
+    lets a path longer than it time out at a hiccup of a fraction of a millisecond."""
     f = st.f
-    st.base_rto[a] = min(max(st.srtt[a] + 4 * st.rttvar[a], f[F_MIN_RTO]), f[F_MAX_RTO])
+    st.base_rto[a] = min(st.srtt[a] + max(4 * st.rttvar[a], f[F_MIN_RTO]), f[F_MAX_RTO])
 
 
 @njit(inline="always", **JIT)

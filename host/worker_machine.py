@@ -91,8 +91,8 @@ class WorkerConfig:
     max_datagram: int = P.MAX_DATAGRAM
     max_entries: int = 0xFFFF  # entries per datagram (1 for a P4 switch)
     rto: float = 0.2         # R-L1: retransmission timeout before any round trip was measured
-    min_rto: float = 0.05    # the adaptive timeout (TCP's srtt + 4 rttvar) stays within these
-    max_rto: float = 1.0
+    min_rto: float = 0.05    # the adaptive timeout: srtt + 4 rttvar, the variation term at least min_rto,
+    max_rto: float = 1.0     # the whole at most max_rto (R-L1)
     timeout: float = 30.0    # no progress for this long: give up with an error naming who is missing
     block_size: int = 256
     aggregator_names: list[str] = field(default_factory=list)  # for error messages only

@@ -858,14 +858,16 @@ def test_each_aggregator_has_a_round_trip_estimate_of_its_own():
     assert np.isnan(st.srtt[0]) and st.srtt[1] == 0.05 and st.rttvar[1] == 0.025
     assert m.base_rto[0] == 0.2 and m.base_rto[1] == pytest.approx(0.05 + 4 * 0.025)
     CC.measure(st, 0, 0.001)
-    assert st.srtt[1] == 0.05 and m.base_rto[0] == pytest.approx(0.01) and m.srtt == 0.05
+    # the variation term at least min_rto (10 ms here), on top of the round trip (R-L1)
+    assert st.srtt[1] == 0.05 and m.base_rto[0] == pytest.approx(0.001 + 0.01) and m.srtt == 0.05
     st.srtt[:], st.rttvar[:], st.min_rtt[:] = (0.001, 0.05), (0.0, 0.05), 0.001
     CC.update_rto(st, 1)
     assert m.base_rto[1] == pytest.approx(0.25)
     pto = [CC.tail_probe_timeout(st, a, 1.0) for a in range(2)]
     # 2 srtt + the reordering window (at least the delay target, 5 ms) of each path, under its own timeout
     assert pto[0] == pytest.approx(0.002 + 0.005) and pto[1] == pytest.approx(0.1 + 0.005)
-    st.srtt[0] = 0.003                                       # 11 ms: not under aggregator 0's 10 ms timeout
+    st.srtt[0] = 0.006                                       # 17 ms: not under aggregator 0's 16 ms timeout
+    CC.update_rto(st, 0)
     assert CC.tail_probe_timeout(st, 0, 1.0) == np.inf and CC.tail_probe_timeout(st, 1, 1.0) == pto[1]
     nxt = machine(columns=64, aggregators=2, min_rto=0.01, path=m.path)
     assert np.array_equal(nxt.st.srtt, st.srtt) and np.array_equal(nxt.base_rto, m.base_rto)

@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from delay_relay import DelayRelay
 from procs import Aggregator, run_workers, sparse_tensor
 from zerosum import protocol as P
 from zerosum.reference import reference_allreduce
@@ -35,6 +36,34 @@ def test_random_sparse_data_exact_on_every_worker(world, naggs):
     finally:
         for a in aggs:
             a.stop()
+
+
+@pytest.mark.parametrize("window", [None, 1 << 20])
+def test_an_aggregator_further_away_than_another_is_neither_a_loss_nor_a_queue(window):
+    """Of two aggregators one is reached through a relay that holds every datagram 25 ms each way (the
+    kernel may have no netem), with no window and with a congestion window. Each aggregator's round trips
+    are judged against its own (R-L1, R-L8, R-C3): nothing is resent or probed and the window is never cut,
+    through three allreduces, the later ones starting from the estimates the first one left. (Judged by
+    the nearer one's, each rank sent 4 probes and resent 4 entries that the far one held, and the window
+    was cut 5 times. With R-L1's 50 ms floor under srtt + 4 rttvar instead of under 4 rttvar, the far
+    path's timeout was 51 ms once its rttvar had decayed, and a hiccup of the relay on this busy host cost
+    a probe in about one run of ten.)"""
+    world, n, seeds = 2, 1 << 16, [1, 2, 3]
+    aggs = [Aggregator(world, slots=16), Aggregator(world, slots=16)]
+    relay = DelayRelay(("127.0.0.1", aggs[1].port), 0.025)
+    try:
+        res = run_workers(world, [aggs[0].address, relay.address], seeds, n, 1.0, window=window)
+        check(res, world, seeds, n, 1.0)
+    finally:
+        relay.close()
+        for a in aggs:
+            a.stop()
+    assert relay.relayed > 0
+    for rank in range(world):
+        stats = res[rank][2]
+        assert (stats.retransmitted_entries, stats.probes, stats.spurious_entries) == (0, 0, 0), stats
+        assert stats.window_cuts == (0, 0), stats
+        assert 0.05 <= stats.srtt < 0.1 and stats.min_rtt < 0.01, stats      # the far path's, the near one's
 
 
 def test_int32_is_summed_exactly_and_dense_float_works():
