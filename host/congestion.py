@@ -19,9 +19,9 @@ from .worker_state import (
     ASKED, F_CAP, F_CWND, F_DRAIN_CWND, F_DRAIN_END, F_DRAIN_PERIOD, F_DRAIN_SLOT,
     F_DRAIN_START, F_EPOCH_START, F_HOST_WAIT, F_HOST_WAIT_AT, F_MAX_RTO, F_MIN_RTO,
     F_NEXT_CUT, F_OTHER_QUEUE, F_PACE_AT, F_PACE_CREDIT, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_QUEUE, F_RACK_FROM,
-    F_REO_EPOCH, F_SSTHRESH, F_TARGET, F_WALL_CLOCK, I_ADMITTED, I_COMPETITIVE,
+    F_SSTHRESH, F_TARGET, F_WALL_CLOCK, I_ADMITTED, I_COMPETITIVE,
     I_CONGESTION, I_DELAY_CUTS, I_DRAINS, I_ENTRY, I_EPOCH_MARKED, I_LOSS_CUTS, I_MARKED, I_MARKS,
-    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PACE_HELD, I_PACING, I_REO_CLEAN, I_REO_MULT, I_SPURIOUS,
+    I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM, I_PACE_HELD, I_PACING, I_SPURIOUS,
     I_WINDOW)
 
 
@@ -226,9 +226,9 @@ def reordering_window(st, a, now):
     """R-C4: how much later than a round to aggregator a a delivered one may have been sent before the
     round counts as lost: a quarter of its path's least round trip (RFC 8985, section 6.2), at least the
     delay target and this host's longest recent wait, times the multiple that spurious retransmissions
-    widen."""
+    to it widen."""
     f = st.f
-    return max(0.25 * st.min_rtt[a], f[F_TARGET], host_wait(st, now)) * st.i[I_REO_MULT]
+    return max(0.25 * st.min_rtt[a], f[F_TARGET], host_wait(st, now)) * st.reo_mult[a]
 
 
 @njit(inline="always", **JIT)
@@ -299,6 +299,7 @@ def detect_loss(st, now):
     for a in range(A):
         if st.delivered_sent[a] <= 0.0:
             continue
+        lost_here = False
         before = st.delivered_sent[a] - reordering_window(st, a, now)
         # a round the aggregator said it holds waits, if for an entry another rank lost, for that rank to
         # find the loss as this worker does and resend it: one round trip more before it is asked after
@@ -316,12 +317,14 @@ def detect_loss(st, now):
                     # path
                     waiting_for[c] = ASKED
                 else:
-                    lost = True
+                    lost_here = True
+        if lost_here:       # a clean detection on this path (RFC 8985, section 6.2.4)
+            lost = True
+            st.reo_clean[a] += 1
+            if st.reo_clean[a] >= REORDER_RESET:
+                st.reo_mult[a] = 1
+                st.reo_clean[a] = 0
     if lost:
-        st.i[I_REO_CLEAN] += 1
-        if st.i[I_REO_CLEAN] >= REORDER_RESET:
-            st.i[I_REO_MULT] = 1
-            st.i[I_REO_CLEAN] = 0
         on_loss(st, now)
 
 
@@ -341,12 +344,13 @@ def on_loss(st, now):
 
 
 @njit(**JIT)
-def on_spurious(st, entries, now, held):
-    """R-C4: the aggregator answered `entries` resent entries with STATUS (`held`: it held them already)
+def on_spurious(st, a, entries, now, held):
+    """R-C4: aggregator a answered `entries` resent entries with STATUS (`held`: it held them already)
     or with a second RESULT of their round (it had finished it), so they were not lost (a retransmission
     or probe that another rank's lateness set off; either answer is to ZeroSum what a DSACK is to TCP).
     Undo the last loss cut, if no cut came after it (RFC 3522's response, Linux's DSACK undo), and widen
-    the reordering window by one step, at most once per epoch (RFC 8985, section 6.2.4). Without the
+    that aggregator's reordering window by one step, at most once per epoch (RFC 8985, section 6.2.4; per
+    path, as its least round trip is: another aggregator's rounds were not the late ones). Without the
     congestion window a STATUS widens nothing: every rank then sends every round as soon as its previous
     result arrived, in the order the results arrived, so a round still open behind a later one that
     completed lacks an entry that was lost at another rank (which resends it), not one still on its way;
@@ -361,10 +365,10 @@ def on_spurious(st, entries, now, held):
         f[F_PRIOR_CWND] = 0.0
         i[I_LOSS_CUTS] -= 1
         set_window(st)
-    i[I_REO_CLEAN] = 0
-    if f[F_REO_EPOCH] != f[F_EPOCH_START]:
-        f[F_REO_EPOCH] = f[F_EPOCH_START]
-        i[I_REO_MULT] = min(i[I_REO_MULT] + 1, MAX_REORDER_MULT)
+    st.reo_clean[a] = 0
+    if st.reo_epoch[a] != f[F_EPOCH_START]:
+        st.reo_epoch[a] = f[F_EPOCH_START]
+        st.reo_mult[a] = min(st.reo_mult[a] + 1, MAX_REORDER_MULT)
 
 
 @njit(**JIT)

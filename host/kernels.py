@@ -731,7 +731,7 @@ def receive_one(st, b, n, aggregator, now, ce):
     if ce or marked:
         on_mark(st)                                   # R-C6 (before on_rounds: this round's verdict sees it)
     if st.counts[7]:
-        on_spurious(st, st.counts[7], now, True)
+        on_spurious(st, aggregator, st.counts[7], now, True)
         st.counts[7] = 0
     if ptype == P.RESULT:
         st.f[F_LAST_PROGRESS] = now
@@ -752,7 +752,7 @@ def receive_one(st, b, n, aggregator, now, ce):
     if st.counts[0]:
         # R-L4; and R-C4: the aggregator answers a resent entry of a finished round with its RESULT again,
         # so a RESULT that arrives twice says what was resent had not been lost either
-        on_spurious(st, st.counts[0], now, False)
+        on_spurious(st, aggregator, st.counts[0], now, False)
         st.drops[D_DUPLICATE] += st.counts[0]
         st.counts[0] = 0
     return PROBE_OUT if st.probe[aggregator] >= 0 else APPLIED
@@ -828,7 +828,8 @@ def _raw_state(st):
         T.raw(st.probe), T.raw(st.loss_confirmed), T.raw(st.tail_armed), T.raw(st.last_heard),
         T.raw(st.delivered_sent), T.raw(st.delivered_ready), T.raw(st.delivered_column), T.raw(st.srtt),
         T.raw(st.rttvar), T.raw(st.base_rto), T.raw(st.tail_pto), T.raw(st.min_rtt),
-        T.raw(st.epoch_min), T.raw(st.drain_min), T.raw(st.slots_used),
+        T.raw(st.epoch_min), T.raw(st.drain_min), T.raw(st.reo_mult), T.raw(st.reo_clean), T.raw(st.reo_epoch),
+        T.raw(st.slots_used),
         T.raw(st.allow), T.raw(st.cols), T.raw(st.order), T.raw(st.seen), T.raw(st.out), T.raw(st.cuts),
         T.raw(st.values), T.raw(st.blocks_out), T.raw(st.counts), T.raw(st.f), T.raw(st.i), T.raw(st.drops))
 

@@ -39,9 +39,9 @@ DELAY_TARGET = 0.005   # R-C3: well under the 50 ms a shaper or switch port typi
 _NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (kernels.sort_by_column)
 
 
-def _per_aggregator(value, aggregators: int) -> np.ndarray:
-    """A PathEstimate field as one float64 per aggregator (a float: the same for each)."""
-    per = np.asarray(value, np.float64)
+def _per_aggregator(value, aggregators: int, dtype=np.float64) -> np.ndarray:
+    """A PathEstimate field as one value per aggregator (a number: the same for each)."""
+    per = np.asarray(value, dtype)
     if per.ndim and per.shape != (aggregators,):
         raise ValueError(f"a path estimate for {per.shape[0]} aggregators, not {aggregators}")
     return np.full(aggregators, per) if not per.ndim else per.copy()
@@ -51,7 +51,7 @@ def _timing(config: "WorkerConfig", cwnd: float, cap: float, average: bool, path
     """The state record's f[] (zerosum.worker_state's F_*) at an allreduce's start, by name: the timers'
     bounds, the window, and what `path` (None: nothing) carried over from the last allreduce."""
     f = np.zeros(WS.N_F)
-    f[[WS.F_LAST_PROGRESS, WS.F_REO_EPOCH]] = np.nan
+    f[WS.F_LAST_PROGRESS] = np.nan
     f[[WS.F_NEXT_CUT, WS.F_EPOCH_START, WS.F_PACE_AT, WS.F_DRAIN_SLOT, WS.F_DRAIN_START, WS.F_DRAIN_END,
        WS.F_RACK_FROM]] = -np.inf
     f[WS.F_MIN_RTO], f[WS.F_MAX_RTO], f[WS.F_TIMEOUT] = config.min_rto, config.max_rto, config.timeout
@@ -68,14 +68,14 @@ def _timing(config: "WorkerConfig", cwnd: float, cap: float, average: bool, path
 class PathEstimate(NamedTuple):
     """What one allreduce learnt about the paths to the aggregators, for the next one (RFC 6298 keeps
     its round-trip estimate per path, not per transfer; so does the congestion window here, one for all
-    the aggregators). srtt, rttvar and min_rtt are per aggregator (NaN, inf: none measured); a float stands
-    for every aggregator's."""
+    the aggregators). srtt, rttvar, min_rtt and reorder are per aggregator (NaN, inf: none measured); a
+    number stands for every aggregator's."""
     srtt: tuple[float, ...] | float
     rttvar: tuple[float, ...] | float
     cwnd: float
     ssthresh: float
     min_rtt: tuple[float, ...] | float   # per aggregator, the least round trip (inf: none measured)
-    reorder: int = 1        # the reordering window's multiple (R-C4)
+    reorder: tuple[int, ...] | int = 1   # per aggregator, the reordering window's multiple (R-C4)
     drain_slot: float = -np.inf   # the last wall-clock period drained (R-C8)
     competitive: int = 0          # drains without a queue to go before delay counts again (R-C8)
     host_wait: float = 0.0        # the longest wait of a datagram in the worker's socket (R-C4)
@@ -277,6 +277,8 @@ class AllreduceMachine:
             rttvar=np.zeros(A) if fresh else _per_aggregator(path.rttvar, A), base_rto=np.full(A, config.rto),
             tail_pto=np.full(A, np.inf), min_rtt=np.full(A, np.inf) if fresh else _per_aggregator(path.min_rtt, A),
             epoch_min=np.full(A, np.inf), drain_min=np.full(A, np.inf),
+            reo_mult=np.ones(A, np.int64) if fresh else _per_aggregator(path.reorder, A, np.int64),
+            reo_clean=np.zeros(A, np.int64), reo_epoch=np.full(A, np.nan),
             slots_used=np.array([layout.slots_used(a) for a in range(A)], np.int64),
             allow=np.zeros(A, np.int64), cols=np.zeros(S, np.int64), order=np.zeros(S, np.int64),
             seen=np.zeros(max(1, layout.slots_per_aggregator), np.int64),
@@ -292,7 +294,6 @@ class AllreduceMachine:
         i = self.st.i
         i[WS.I_CONGESTION] = congestion
         i[WS.I_PACING] = congestion and config.pacing
-        i[WS.I_REO_MULT] = 1 if fresh else path.reorder
         i[WS.I_COMPETITIVE] = 0 if fresh else path.competitive
         i[WS.I_ENTRY] = entry
         i[WS.I_ADMITTED] = S if window >= S else 0
@@ -391,7 +392,7 @@ class AllreduceMachine:
         cwnd = max(f[WS.F_CWND], f[WS.F_DRAIN_CWND]) if draining else f[WS.F_CWND]
         st = self.st
         return PathEstimate(tuple(st.srtt.tolist()), tuple(st.rttvar.tolist()), float(cwnd), float(f[WS.F_SSTHRESH]),
-                            tuple(st.min_rtt.tolist()), int(st.i[WS.I_REO_MULT]), float(f[WS.F_DRAIN_SLOT]),
+                            tuple(st.min_rtt.tolist()), tuple(st.reo_mult.tolist()), float(f[WS.F_DRAIN_SLOT]),
                             int(st.i[WS.I_COMPETITIVE]), float(f[WS.F_HOST_WAIT]), float(f[WS.F_HOST_WAIT_AT]),
                             float(f[WS.F_OTHER_QUEUE]))
 

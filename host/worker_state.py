@@ -61,6 +61,13 @@ class WorkerState(NamedTuple):
     min_rtt: np.ndarray        # float64 [A]
     epoch_min: np.ndarray      # float64 [A]
     drain_min: np.ndarray      # float64 [A]
+    # per aggregator, R-C4's reordering window's multiple (RFC 8985, section 6.2.4: spurious retransmissions
+    # widen it, 16 clean loss detections reset it), the clean detections since it last widened, and the
+    # measurement epoch it last widened in (NaN: none; at most once per epoch): one path's late rounds
+    # say nothing of another's
+    reo_mult: np.ndarray       # int64 [A]
+    reo_clean: np.ndarray      # int64 [A]
+    reo_epoch: np.ndarray      # float64 [A]
     slots_used: np.ndarray     # int64 [A]
     allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
     cols: np.ndarray           # int64 [S]: scratch: columns to send
@@ -80,16 +87,16 @@ class WorkerState(NamedTuple):
 # f[]: timing and the congestion window
 (F_MIN_RTO, F_MAX_RTO, F_LAST_PROGRESS, F_TIMEOUT, F_DIVISOR,
  F_CWND, F_SSTHRESH, F_NEXT_CUT, F_TARGET, F_CAP, F_EPOCH_START,
- F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_REO_EPOCH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
+ F_QUEUE, F_PRIOR_CWND, F_PRIOR_SSTHRESH, F_PACE_CREDIT, F_PACE_AT, F_WALL_CLOCK, F_DRAIN_PERIOD,
  F_DRAIN_SLOT, F_DRAIN_START, F_DRAIN_END, F_DRAIN_CWND, F_RACK_FROM, F_HOST_WAIT,
- F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(27)
+ F_HOST_WAIT_AT, F_OTHER_QUEUE) = range(26)
 N_F = F_OTHER_QUEUE + 1
 # i[]: everything else
 (I_STAMP, I_ADMITTED, I_WINDOW, I_REMAINING, I_IS_INT, I_PRECISION, I_COLLECT, I_MAX_DATAGRAM, I_MAX_ENTRIES,
  I_BAD_BLOCK, I_EVENT_AGG, I_BYTES_SENT, I_DATAGRAMS_SENT, I_BYTES_RECEIVED,
- I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS, I_REO_MULT,
- I_REO_CLEAN, I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
- I_COMPETITIVE, I_DRAINS, I_QUEUED, I_SENT_ENTRIES, I_STREAM) = range(35)
+ I_DATAGRAMS_RECEIVED, I_SOURCE_N, I_VIOLATION, I_CONGESTION, I_ENTRY, I_DELAY_CUTS, I_LOSS_CUTS,
+ I_SPURIOUS, I_MARKS, I_EPOCH_MARKED, I_MARKED, I_PACING, I_PACE_HELD, I_PACE_FROM,
+ I_COMPETITIVE, I_DRAINS, I_QUEUED, I_SENT_ENTRIES, I_STREAM) = range(33)
 N_I = I_STREAM + 1
 N_COUNTS = 10   # WorkerState.counts (apply_datagram says what each holds)
 # WorkerState.own's fields, side by side because every entry of a round reads them together: in three

@@ -98,19 +98,19 @@ def test_a_spurious_retransmission_undoes_the_loss_cut_and_widens_the_reordering
     st.f[WS.F_QUEUE] = st.f[WS.F_TARGET]
     CC.on_loss(st, 1.0)
     assert m.cwnd == 20 * ENTRY and m.window_cuts == (0, 1)
-    CC.on_spurious(st, 2, 1.001, True)                               # R-C4: STATUS answered what was resent
+    CC.on_spurious(st, 0, 2, 1.001, True)                            # R-C4: STATUS answered what was resent
     assert m.cwnd == 40 * ENTRY and st.f[WS.F_SSTHRESH] == 80 * ENTRY and m.window_cuts == (0, 0)
-    assert m.window_columns == 40 and m.spurious_entries == 2 and st.i[WS.I_REO_MULT] == 2
-    CC.on_spurious(st, 1, 1.002, True)                               # once per epoch, and nothing left to undo
-    assert st.i[WS.I_REO_MULT] == 2 and m.cwnd == 40 * ENTRY and m.spurious_entries == 3
+    assert m.window_columns == 40 and m.spurious_entries == 2 and st.reo_mult[0] == 2
+    CC.on_spurious(st, 0, 1, 1.002, True)                            # once per epoch, and nothing left to undo
+    assert st.reo_mult[0] == 2 and m.cwnd == 40 * ENTRY and m.spurious_entries == 3
     st.f[WS.F_EPOCH_START] = 1.003
-    CC.on_spurious(st, 1, 1.004, True)
-    assert st.i[WS.I_REO_MULT] == 3
+    CC.on_spurious(st, 0, 1, 1.004, True)
+    assert st.reo_mult[0] == 3
     st.min_rtt[:] = 0.001
     CC.on_rounds(st, 0, 1, 0.02, 1.1, 1.08)                          # a delay cut (R-C3) is not undone
     cut = m.cwnd
     assert m.window_cuts == (1, 0) and cut < 40 * ENTRY
-    CC.on_spurious(st, 1, 1.101, True)
+    CC.on_spurious(st, 0, 1, 1.101, True)
     assert m.cwnd == cut
 
 
@@ -198,7 +198,7 @@ def test_a_queue_that_does_not_drain_makes_the_window_competitive_until_drains_i
     CC.on_loss(st, now + 0.1)
     assert m.cwnd == pytest.approx(0.5 * (before + ENTRY * ENTRY / before / 4))
     cut = m.cwnd
-    CC.on_spurious(st, 1, now + 0.101, True)
+    CC.on_spurious(st, 0, 1, now + 0.101, True)
     assert m.cwnd == cut                                            # losses beside such a flow are real
     later = now + 0.2
     rtt = 0.001 + allowed + 0.004                                   # more queue than allowed: a delay cut
@@ -246,17 +246,37 @@ def rounds_in_flight(*sent_at):
 def test_the_reordering_window_decides_what_is_lost_and_resets_after_clean_detections():
     m, st = rounds_in_flight(1.0, 1.007)                            # two rounds in flight
     st.delivered_sent[0] = 1.008                                    # a round sent 8 ms after column 0's arrived
-    st.i[WS.I_REO_MULT] = 2                                          # 10 ms: not yet lost
+    st.reo_mult[0] = 2                                              # 10 ms: not yet lost
     CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 2.0 and m.window_cuts == (0, 0)
-    st.i[WS.I_REO_MULT] = 1                                          # 5 ms (the delay target): lost, resent now
+    st.reo_mult[0] = 1                                              # 5 ms (the delay target): lost, resent now
     CC.detect_loss(st, 1.01)
     assert st.deadline[0] == 1.01 and st.deadline[1] == 2.0 and st.loss_confirmed[0] and m.window_cuts == (0, 1)
-    st.i[WS.I_REO_MULT] = 4
-    st.i[WS.I_REO_CLEAN] = CC.REORDER_RESET - 1
+    st.reo_mult[0] = 4
+    st.reo_clean[0] = CC.REORDER_RESET - 1
     st.delivered_sent[0] = 1.03
     CC.detect_loss(st, 1.04)                                         # RFC 8985 6.2.4: back to 1x
-    assert st.i[WS.I_REO_MULT] == 1 and st.i[WS.I_REO_CLEAN] == 0
+    assert st.reo_mult[0] == 1 and st.reo_clean[0] == 0
+
+
+def test_each_aggregator_s_reordering_window_is_its_own():
+    """R-C4's reordering window per path (RFC 8985, section 6.2.4, as its least round trip is): resent
+    entries that aggregator 1 held widen its window only, so a round to aggregator 0 sent 8 ms before one
+    of its delivered rounds is lost (past its 5 ms) while the same on aggregator 1 (now 10 ms) is not; the
+    next allreduce starts from each one's multiple."""
+    m = machine(columns=64, aggregators=2)
+    st = m.st
+    st.srtt[:], st.min_rtt[:] = 0.01, 0.001
+    CC.on_spurious(st, 1, 1, 1.0, True)                             # aggregator 1 held what was resent
+    assert st.reo_mult.tolist() == [1, 2] and st.reo_clean.tolist() == [0, 0]
+    st.i[WS.I_ADMITTED] = 2
+    st.round_block[:2], st.sent_at[:2], st.deadline[:2] = 3, 1.0, 2.0  # column c: aggregator c % 2
+    st.delivered_sent[:], st.delivered_column[:] = 1.008, 1
+    CC.detect_loss(st, 1.01)
+    assert st.deadline[:2].tolist() == [1.01, 2.0] and st.loss_confirmed.tolist() == [True, False]
+    assert st.reo_clean.tolist() == [1, 0]                          # a clean detection on aggregator 0's path
+    assert m.path.reorder == (1, 2)
+    assert machine(columns=64, aggregators=2, path=m.path).st.reo_mult.tolist() == [1, 2]
 
 
 def test_a_held_round_is_judged_a_round_trip_later_and_asked_after_without_a_cut():
@@ -534,13 +554,13 @@ def test_without_a_window_a_status_widens_no_reordering_window_and_a_second_resu
     RESULT says our own entry or result was late, and widens it."""
     m = machine(window=None)
     st = m.st
-    CC.on_spurious(st, 3, 1.0, True)
-    assert m.spurious_entries == 3 and st.i[WS.I_REO_MULT] == 1
-    CC.on_spurious(st, 1, 1.001, False)
-    assert m.spurious_entries == 4 and st.i[WS.I_REO_MULT] == 2
+    CC.on_spurious(st, 0, 3, 1.0, True)
+    assert m.spurious_entries == 3 and st.reo_mult[0] == 1
+    CC.on_spurious(st, 0, 1, 1.001, False)
+    assert m.spurious_entries == 4 and st.reo_mult[0] == 2
     with_window = machine()                               # with the window, a STATUS widens it as before
-    CC.on_spurious(with_window.st, 1, 1.0, True)
-    assert with_window.st.i[WS.I_REO_MULT] == 2
+    CC.on_spurious(with_window.st, 0, 1, 1.0, True)
+    assert with_window.st.reo_mult[0] == 2
 
 
 def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
@@ -554,7 +574,7 @@ def test_a_status_or_a_second_result_from_the_aggregator_counts_as_spurious():
     hdr = P.Header(P.STATUS, 1, P.AGGREGATOR_RANK, 2, 1, m.layout.nblocks, B, 2)
     datagram = np.frombuffer(P.encode(hdr, ent, np.zeros((0, B), np.int32)), np.uint8)
     assert K.receive_one(st, datagram, len(datagram), 0, 1.0, False) == K.APPLIED
-    assert m.spurious_entries == 1 and st.i[WS.I_REO_MULT] == 2 and st.waiting_for[1] == 0b11
+    assert m.spurious_entries == 1 and st.reo_mult[0] == 2 and st.waiting_for[1] == 0b11
     ent = P.entries_array(1)
     st.round_block[1] = 1
     ent[0] = (1, 0, 0, 1, 0, P.NO_EXP)                              # slot 1's finished round, again
