@@ -724,3 +724,18 @@ def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(column
             assert after == exact
         else:
             assert now < after <= exact
+
+
+def test_the_driver_s_raw_state_record_is_every_field_over_the_same_memory():
+    """The driver loop works on a copy of the state record without reference counts (kernels._raw_state,
+    which numba makes build the record field by field, in order): each field must be the same memory as
+    the machine's, or the loop would keep its timers, estimates or sums where nothing reads them."""
+    B = 4
+    x = np.ones(64 * B, np.float32)
+    source = BlockSource.dense(x, B)
+    m = AllreduceMachine(WorkerConfig(rank=0, world=2, job=1, block_size=B), 1, source,
+                         Layout(2, 32, source.nblocks), DenseResult(np.zeros_like(x)))
+    raw = K._raw_state(m.st)
+    for name in WS.WorkerState._fields:
+        mine, theirs = getattr(m.st, name), getattr(raw, name)
+        assert (theirs.ctypes.data, theirs.shape, theirs.dtype) == (mine.ctypes.data, mine.shape, mine.dtype), name
