@@ -45,8 +45,8 @@ class DelayRelay:
 
     def _relay(self) -> None:
         while not self._stop.is_set():
-            wait = 0.05 if not self._due else max(0.0, self._due[0][0] - time.monotonic())
-            for key, _ in self._selector.select(min(wait, 0.05)):
+            wait = min(0.05, max(0.0, self._due[0][0] - time.monotonic())) if self._due else 0.05
+            for key, _ in self._selector.select(wait):
                 self._take(key.fileobj)
             now = time.monotonic()
             while self._due and self._due[0][0] <= now:
