@@ -1,5 +1,4 @@
 """Real processes on loopback: workers, software aggregators, loss, dead peers and garbage."""
-import os
 import socket
 import threading
 
