@@ -216,8 +216,8 @@ def test_nan_and_inf_name_the_first_bad_block(n, block_size, offset, bad_bits, s
 
 @pytest.mark.parametrize("block_size", [1, 4, 256])
 def test_scan_finds_a_block_at_every_place_of_its_group(block_size):
-    """The float scan looks at blocks in groups of BS.SCAN_GROUP (a zero group as one span) and four at
-    a time: a lone non-zero block, a NaN between two non-zero blocks, and a zero group behind a dense one
+    """The float scan looks at blocks in groups of BS.SCAN_GROUP (a zero group as one span), then block
+    by block: a lone non-zero block, a NaN between two non-zero blocks, and a zero group behind a dense one
     are found at every place of a group, in whole groups and in the blocks after the last one."""
     G = BS.SCAN_GROUP
     nblocks = 3 * G + 5
