@@ -17,6 +17,7 @@ from .errors import AggregatorSilent, ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
 from . import kernels as K
 from . import worker_state as WS
+from . import perfmap
 from . import transport as T
 from .udp import LossHook, open_socket, parse_address
 from .worker_machine import DELAY_TARGET, AllreduceMachine, JoinMachine, Scratch, WorkerConfig
@@ -212,6 +213,8 @@ class Worker:
         if self._group is not None:
             self._group.close()
             self._group = None
+        if perfmap.installed():
+            perfmap.write()      # a multiprocessing child ends without running atexit
 
     # -- I/O helpers --------------------------------------------------------------------------------
     def _send_all(self, datagrams) -> None:
