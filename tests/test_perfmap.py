@@ -54,7 +54,10 @@ print(json.dumps({"installed": perfmap.installed(), "path": where, "entries": en
 """
 
 
-def test_the_map_names_loaded_and_compiled_kernels_where_they_lie():
+@pytest.mark.parametrize("run", ["first", "second"])
+def test_the_map_names_loaded_and_compiled_kernels_where_they_lie(run):
+    """The scan kernel is compiled where numba's cache lacks it and loaded from the cache in the second
+    run at the latest (numba's two hooks); plus_one is compiled every time."""
     env = dict(os.environ, ZEROSUM_PERF_MAP="1")
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
