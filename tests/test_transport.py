@@ -103,6 +103,31 @@ def test_receive_times_out_empty_and_reports_the_sender():
         b.close()
 
 
+def test_a_worker_reads_its_groups_results_before_an_answer_to_its_own_socket():
+    """R-A8 across a worker's two sockets: results queued on the multicast group's socket before an
+    answer came to the worker's own socket (a probe's RESULT, which the aggregator sends only after the
+    round's RESULT went to the group) come out of receive2 first, also where more than a batch waits."""
+    own, group, sender = sockets(3)
+    try:
+        if not T.detect(own).batched:
+            pytest.skip("no recvmmsg here")
+        rx = T.rx_batch()
+        for queued in (3, rx.hdrs.shape[0] + 3):
+            results = [b"result %d" % k for k in range(queued)]
+            for r in results:
+                sender.sendto(r, group.getsockname())
+            sender.sendto(b"answer", own.getsockname())
+            got = []
+            while len(got) < queued + 1:
+                n = T.receive2(own.fileno(), group.fileno(), rx, 1000)
+                assert n > 0
+                got += [bytes(rx.buf[i, :int(rx.length[i])]) for i in range(n)]
+            assert got == results + [b"answer"]
+    finally:
+        for s in (own, group, sender):
+            s.close()
+
+
 def test_arrivals_carry_the_kernels_time_not_the_time_they_were_read():
     """A datagram read 80 ms after it arrived says so (rx.arrived, on monotonic()'s clock): the wait of a
     worker that is behind (or waits for a core) is not the path's (R-C3, R-C4)."""
