@@ -1,11 +1,8 @@
 """ZeroSum: block-sparse streaming allreduce over UDP, with in-network (switch) or software aggregation."""
-import os as _os
-
 from . import jitcache as _jitcache
 from . import perfmap as _perfmap
 
-if _os.environ.get(_perfmap.ENV, "") not in ("", "0"):
-    _perfmap.install()     # before any kernel is compiled or loaded (perfmap: why)
+_perfmap.install_if_asked()    # before any kernel is compiled or loaded (perfmap: why)
 
 _jitcache.refresh()    # before any kernel is loaded from numba's cache (jitcache: why)
 

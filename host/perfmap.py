@@ -40,6 +40,12 @@ def installed() -> bool:
     return _installed
 
 
+def install_if_asked() -> bool:
+    """install() where ENV is set (to anything but "" or "0"); the package calls it on import, before
+    any kernel is compiled or loaded."""
+    return os.environ.get(ENV, "") not in ("", "0") and install()
+
+
 def install() -> bool:
     """Keep the object code numba compiles or loads from here on, and write the map at exit. True when
     the hooks are in place."""
