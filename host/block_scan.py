@@ -65,9 +65,27 @@ SCAN_GROUP = 16
 
 
 @njit(inline="always", **JIT)
+def _scan_one_by_one(bits, first, stop, block_size, is_int, blocks_out, exps_out, count):
+    """scan_blocks over blocks first..stop-1, each reduced on its own (the last may be partial), after
+    `count` blocks found: (count, the block holding NaN or infinity, or -1)."""
+    n = bits.shape[0]
+    for blk in range(first, stop):
+        lo = blk * block_size
+        e = _block_exponent(bits[lo: min(lo + block_size, n)], is_int)
+        if e == NO_EXP:
+            continue
+        if e == INT_EXP + 1:
+            return count, blk
+        blocks_out[count] = blk
+        exps_out[count] = e
+        count += 1
+    return count, -1
+
+
+@njit(inline="always", **JIT)
 def _scan_float_groups(bits, block_size, blocks_out, exps_out):
-    """scan_blocks over the whole groups of SCAN_GROUP full blocks of float data: (count, the first block
-    not scanned); it stops at a block holding NaN or infinity, for scan_blocks to name it.
+    """scan_blocks over the whole groups of SCAN_GROUP full blocks of float data: (count, the block
+    holding NaN or infinity or -1, the first block not scanned).
     A group after one with no non-zero block is first reduced as one span, and skipped if that is zero
     (sparse data: one long vectorised loop); the blocks of others are reduced one after another, so that
     memory is read as one stream. Four blocks in one loop over four streams (to pay the per-block
@@ -82,17 +100,12 @@ def _scan_float_groups(bits, block_size, blocks_out, exps_out):
         if not dense and _largest_magnitude(bits[first * block_size: (first + SCAN_GROUP) * block_size]) == 0:
             continue
         before = count
-        for blk in range(first, first + SCAN_GROUP):
-            m = _largest_magnitude(bits[blk * block_size: (blk + 1) * block_size])
-            if m == 0:
-                continue
-            if m >= _NOT_FINITE:
-                return count, blk          # NaN or infinity: scan_blocks names the block
-            blocks_out[count] = blk
-            exps_out[count] = _float_exponent(m)
-            count += 1
+        count, bad = _scan_one_by_one(bits, first, first + SCAN_GROUP, block_size, False, blocks_out, exps_out,
+                                      count)
+        if bad >= 0:
+            return count, bad, bad
         dense = count > before
-    return count, groups * SCAN_GROUP
+    return count, -1, groups * SCAN_GROUP
 
 
 @njit(**JIT)
@@ -106,21 +119,11 @@ def scan_blocks(bits, block_size, is_int, blocks_out, exps_out):
     last whole group, and int32 data, one by one). Asking for the block behind a zero block
     (transport.prefetch), which an earlier two-pass scan needed, made this one a third slower.
     """
-    n = bits.shape[0]
-    nblocks = (n + block_size - 1) // block_size
-    whole = n // block_size
+    nblocks = (bits.shape[0] + block_size - 1) // block_size
     count = 0
     rest = 0
     if not is_int:
-        count, rest = _scan_float_groups(bits, block_size, blocks_out, exps_out)
-    for blk in range(rest, nblocks):
-        lo = blk * block_size
-        e = _block_exponent(bits[lo: lo + block_size] if blk < whole else bits[lo: n], is_int)
-        if e == NO_EXP:
-            continue
-        if e == INT_EXP + 1:
-            return count, blk
-        blocks_out[count] = blk
-        exps_out[count] = e
-        count += 1
-    return count, -1
+        count, bad, rest = _scan_float_groups(bits, block_size, blocks_out, exps_out)
+        if bad >= 0:
+            return count, bad
+    return _scan_one_by_one(bits, rest, nblocks, block_size, is_int, blocks_out, exps_out, count)
