@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .floor import makespan, read_pass
 from .local import CTX, LocalAggregator, new_key
 from .udp import free_port as _free_port
 
@@ -104,7 +105,19 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
             data = _Staged(x, plan.get("device", "cpu"))
-            zs, marks = [], []
+            zs, marks, reads = [], [], []
+
+            def read_alone() -> tuple[float, float]:
+                """The ranks read their restored inputs once, started as an allreduce is, between the
+                timed allreduces (--floor): the read floor of the same minutes, on the same buffers."""
+                data.restore()
+                barrier()
+                t0 = time.monotonic()          # one clock for every process on the host
+                read_pass(data.y)
+                span = (t0, time.monotonic())
+                barrier()
+                return span
+
             for i in range(plan["warmup"] + plan["rounds"]):
                 # In place, as gloo's all_reduce is: restore the input (untimed), then reduce it.
                 data.restore()
@@ -129,6 +142,8 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                             raise AssertionError(f"density {density}: result differs from the reference")
                 if i >= plan["warmup"]:
                     zs.append(dt)
+                    if plan.get("read_beside"):
+                        reads.append(read_alone())
                 events.put(("step", rank))
             checkpoint(row, "end")
             base = []
@@ -145,7 +160,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                         base.append(dt)
                     events.put(("step", rank))
             events.put(("result", rank, row,
-                        {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest,
+                        {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest, "read_spans": reads,
                          "window_bytes": w.stats.window, "srtt_s": w.stats.srtt, "host_wait_s": w.stats.host_wait,
                          "window": w.config.window}))
     if dist is not None:
@@ -329,6 +344,10 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         "srtt_s": [r.get("srtt_s") for r in results],
         "host_wait_s": [r.get("host_wait_s") for r in results],    # longest read delay so far (R-C4)
         "window": results[0].get("window", plan.get("window")) if results else None,   # what "auto" became
+        # (--floor) the ranks' read of their inputs alone, between the timed allreduces: first start to
+        # last end, the median over rounds
+        "read_s": makespan([r["read_spans"] for r in results]) if results and results[0].get("read_spans")
+        else None,
     }
 
 
@@ -376,8 +395,9 @@ def table_cells(r: Mapping) -> list[str]:
 
 def read_floor_summary(run: Mapping, size: int) -> str:
     """The read floor's line (`--floor`): how long the workers take to read their float32 tensors of
-    `size` once, all starting together, and what that leaves: no allreduce of dense input can take
-    less, so gloo's time over it bounds the speed-up at any density."""
+    `size` once, all starting together (`read_floor_s`: the median of the rows' reads), and what that
+    leaves: no allreduce of dense input can take less, so gloo's time over it bounds the speed-up at any
+    density."""
     world, read_s = run["rows"][0]["workers"], run["read_floor_s"]
     line = (f"{world} workers reading their tensors once, all starting together: {read_s:.4f} s from the first "
             f"start to the last end ({world * 4 * size / read_s / 1e9:.1f} GB/s), the least an allreduce of "
@@ -385,6 +405,18 @@ def read_floor_summary(run: Mapping, size: int) -> str:
     gloo = [r["gloo_s"] for r in run["rows"] if r.get("gloo_s")]
     if gloo:
         line += f"; gloo's {min(gloo):.3f} s is {min(gloo) / read_s:.1f}x that, the most any density can gain here"
+    return line
+
+
+def floor_line(row: Mapping) -> str:
+    """A row against the floors of its run (`--floor`): the sockets-only star's time, and the read of
+    the ranks' inputs between the same timed allreduces (at low density ZeroSum's time is that read and
+    an exchange after it: what is left over the read is the exchange's, and any wait between them)."""
+    line = (f"{row['workers']} workers, density {row['density']:g}: ZeroSum {row['zerosum_s'] / row['floor_s']:.2f}x "
+            f"the floor's time ({row['floor_s']:.3f} s; gloo beside the floor {row['floor_gloo_s']:.3f} s)")
+    if row.get("read_s"):
+        line += (f"; the read alone in the same rounds {row['read_s']:.4f} s, ZeroSum "
+                 f"{row['zerosum_s'] / row['read_s']:.2f}x that ({row['zerosum_s'] - row['read_s']:.4f} s more)")
     return line
 
 
@@ -510,7 +542,8 @@ def run_from_args(args) -> int:
             "rounds": args.rounds, "warmup": args.warmup, "baseline": not args.no_baseline,
             "verify": args.verify, "loss": args.loss, "slots": args.slots,
             "max_datagram": args.max_datagram, "mtu": args.mtu,
-            "window": args.window, "congestion": args.congestion, "device": args.device}
+            "window": args.window, "congestion": args.congestion, "device": args.device,
+            "read_beside": args.floor and args.device == "cpu"}
     if args.mtu:
         plan["multicast"] = args.multicast     # resolved on each world's star (star_results_group)
     else:
@@ -536,13 +569,15 @@ def run_from_args(args) -> int:
             results["runs"].append(run_world(world, plan, args.aggregators, args.port,
                                              on_step=lambda: progress.advance(task)))
     if args.floor:
-        from .floor import read_floor, run_floor
+        from .floor import run_floor
         for run in results["runs"]:
             world = run["rows"][0]["workers"]
             floor = run_floor(world, plan["size"], plan["densities"], iters=plan["rounds"])
             for r in run["rows"]:
                 r["floor_s"], r["floor_gloo_s"] = floor[r["density"]]
-            run["read_floor_s"] = read_floor(world, plan["size"])
+            reads = [r["read_s"] for r in run["rows"] if r.get("read_s")]
+            if reads:
+                run["read_floor_s"] = statistics.median(reads)
     console.print(bench_table(results))
     from .transport import detect
     import socket
@@ -562,9 +597,7 @@ def run_from_args(args) -> int:
             console.print(read_floor_summary(run, plan["size"]))
         for r in run["rows"]:
             if r.get("floor_s"):
-                console.print(f"{r['workers']} workers, density {r['density']:g}: ZeroSum "
-                              f"{r['zerosum_s'] / r['floor_s']:.2f}x the floor's time ({r['floor_s']:.3f} s; "
-                              f"gloo beside the floor {r['floor_gloo_s']:.3f} s)")
+                console.print(floor_line(r))
     rss = max(c["max_rss_bytes"] for run in results["runs"] for c in run["aggregators"])
     console.print(f"aggregator peak memory: {rss / 2**20:.0f} MiB"
                   + (" (sums verified against the fixed-point reference)" if args.verify else ""))

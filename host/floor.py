@@ -164,17 +164,12 @@ def run_floor(world: int, size: int, densities, iters: int = 3, window: int = 64
     return {d: (max(res[r][d][0] for r in res), res[0][d][1]) for d in densities}
 
 
-def _read_once(size, iters, bar, q):
-    x = np.ones(size, np.float32)        # touched: real pages, not the shared zero page
-    words = x[: size - size % 2].view(np.uint64)
-    np.bitwise_or.reduce(words)
-    spans = []
-    for _ in range(iters):
-        bar.wait()
-        t0 = time.monotonic()            # one clock for every process on the host
-        np.bitwise_or.reduce(words)      # an OR at memory speed: what finding the non-zero blocks must read
-        spans.append((t0, time.monotonic()))
-    q.put(spans)
+def read_pass(values: np.ndarray) -> int:
+    """Read a flat float32/int32 array once at memory speed: what finding its non-zero blocks must read,
+    with none of the scan's work. Returns the OR of its bits (non-zero iff any value's bits are)."""
+    even = values.size - values.size % 2
+    bits = int(np.bitwise_or.reduce(values[:even].view(np.uint64))) if even else 0
+    return bits | (int(values[even:].view(np.uint32)[0]) if even < values.size else 0)
 
 
 def makespan(spans) -> float:
@@ -184,23 +179,6 @@ def makespan(spans) -> float:
     alone takes only its share of the time the reads take together."""
     s = np.asarray(spans, np.float64)
     return float(np.median(s[:, :, 1].max(axis=0) - s[:, :, 0].min(axis=0)))
-
-
-def read_floor(world: int, size: int, iters: int = 5) -> float:
-    """Seconds for `world` processes to each read a float32 tensor of `size` once, all starting
-    together (the makespan: first start to last end, median over iters): the least an allreduce of
-    dense input costs whatever its density, since finding the non-zero blocks reads every value; on a
-    machine where memory bandwidth and cores are shared by all ranks it bounds how fast a sparse
-    allreduce of dense tensors can be."""
-    ctx = mp.get_context("spawn")
-    bar, q = ctx.Barrier(world), ctx.Queue()
-    ps = [ctx.Process(target=_read_once, args=(size, iters, bar, q)) for _ in range(world)]
-    for p in ps: p.start()
-    try:
-        runs = [q.get(timeout=600) for _ in ps]
-    finally:
-        for p in ps: p.join(10)
-    return makespan(runs)
 
 
 def main():

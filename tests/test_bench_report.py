@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from rich.console import Console
 
-from zerosum.bench import (COLUMNS, bench_table, counter_delta, microseconds, plot, ratio_axis, ratio_label,
-                           read_floor_summary, recovery_summary, summarize_row, tick_label, window_total)
-from zerosum.floor import makespan
+from zerosum.bench import (COLUMNS, bench_table, counter_delta, floor_line, microseconds, plot, ratio_axis,
+                           ratio_label, read_floor_summary, recovery_summary, summarize_row, tick_label,
+                           window_total)
+from zerosum.floor import makespan, read_pass
 from zerosum.local import SNAPSHOT, LocalAggregator, SnapshotOnSignal
 
 PLAN = {"densities": [1.0, 0.01], "size": 26_214_400, "block_size": 256, "rounds": 2, "warmup": 1,
@@ -162,6 +164,31 @@ def test_the_read_floor_line_bounds_the_gain_by_gloo():
     assert "0.0125 s from the first start to the last end (33.6 GB/s)" in line
     assert line.endswith("gloo's 0.158 s is 12.6x that, the most any density can gain here")
     assert "gloo" not in read_floor_summary({**run, "rows": [{"workers": 4, "gloo_s": None}]}, 26_214_400)
+
+
+def test_a_row_has_the_read_of_its_own_rounds_beside_its_time():
+    # two ranks, two timed rounds: reads of 10 and 14 ms from the first start to the last end
+    results = [{"zerosum_s": [0.02, 0.03], "gloo_s": [0.2, 0.2], "marks": [({}, {})] * 3, "digest": "d",
+                "read_spans": [(1.000, 1.008), (2.000, 2.014)]},
+               {"zerosum_s": [0.02, 0.03], "gloo_s": [0.2, 0.2], "marks": [({}, {})] * 3, "digest": "d",
+                "read_spans": [(1.002, 1.010), (2.001, 2.012)]}]
+    row = summarize_row(2, 0.01, PLAN, results, [{}], [{}])
+    assert row["read_s"] == pytest.approx(0.012)              # median of 10 and 14 ms
+    assert summarize_row(2, 0.01, PLAN, [{**r, "read_spans": []} for r in results], [{}], [{}])["read_s"] is None
+    line = floor_line({**row, "floor_s": 0.010, "floor_gloo_s": 0.19})
+    assert line.startswith("2 workers, density 0.01: ZeroSum 2.50x the floor's time (0.010 s; gloo beside "
+                           "the floor 0.190 s)")
+    assert line.endswith("; the read alone in the same rounds 0.0120 s, ZeroSum 2.08x that (0.0130 s more)")
+    assert "read alone" not in floor_line({**row, "read_s": None, "floor_s": 0.010, "floor_gloo_s": 0.19})
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1001])
+def test_the_read_pass_reads_every_value(n):
+    assert read_pass(np.zeros(0, np.float32)) == 0 and read_pass(np.zeros(n, np.float32)) == 0
+    for at in {0, n // 2, n - 1}:                     # a single non-zero value anywhere is seen
+        x = np.zeros(n, np.float32)
+        x[at] = -0.0                                  # the sign bit alone
+        assert read_pass(x) != 0
 
 
 def test_ratio_labels():
