@@ -165,11 +165,12 @@ def run_floor(world: int, size: int, densities, iters: int = 3, window: int = 64
 
 
 def read_pass(values: np.ndarray) -> int:
-    """Read a flat float32/int32 array once at memory speed: what finding its non-zero blocks must read,
-    with none of the scan's work. Returns the OR of its bits (non-zero iff any value's bits are)."""
-    even = values.size - values.size % 2
-    bits = int(np.bitwise_or.reduce(values[:even].view(np.uint64))) if even else 0
-    return bits | (int(values[even:].view(np.uint32)[0]) if even < values.size else 0)
+    """Read a contiguous float32/int32 array once at memory speed: what finding its non-zero blocks must
+    read, with none of the scan's work. Returns the OR of its bits (non-zero iff any value's bits are)."""
+    flat = values.reshape(-1)
+    even = flat.size - flat.size % 2
+    bits = int(np.bitwise_or.reduce(flat[:even].view(np.uint64))) if even else 0
+    return bits | (int(flat[even:].view(np.uint32)[0]) if even < flat.size else 0)
 
 
 def makespan(spans) -> float:

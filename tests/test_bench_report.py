@@ -189,6 +189,10 @@ def test_the_read_pass_reads_every_value(n):
         x = np.zeros(n, np.float32)
         x[at] = -0.0                                  # the sign bit alone
         assert read_pass(x) != 0
+    grid = np.zeros((3, 5), np.int32)                 # any contiguous shape, read whole
+    assert read_pass(grid) == 0
+    grid[2, 4] = 1
+    assert read_pass(grid) != 0
 
 
 def test_ratio_labels():
