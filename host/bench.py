@@ -105,7 +105,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
         for row, density in enumerate(plan["densities"]):
             x = bench_tensor(rank, density, plan["size"], plan["block_size"])
             data = _Staged(x, plan.get("device", "cpu"))
-            zs, marks, reads = [], [], []
+            zs, marks, reads, phases = [], [], [], []
 
             def read_alone() -> tuple[float, float]:
                 """The ranks read their restored inputs once, started as an allreduce is, between the
@@ -125,6 +125,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                     checkpoint(row, "start")
                 barrier()
                 before = _meter(w)
+                started = time.monotonic()     # one clock for every process on the host
                 t0 = time.perf_counter()
                 w.allreduce(data.y, out=data.y)
                 data.wait()
@@ -142,6 +143,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                             raise AssertionError(f"density {density}: result differs from the reference")
                 if i >= plan["warmup"]:
                     zs.append(dt)
+                    phases.append((started, *w.stats.exchange))
                     if plan.get("read_beside"):
                         reads.append(read_alone())
                 events.put(("step", rank))
@@ -161,6 +163,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                     events.put(("step", rank))
             events.put(("result", rank, row,
                         {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest, "read_spans": reads,
+                         "phases": phases,
                          "window_bytes": w.stats.window, "srtt_s": w.stats.srtt, "host_wait_s": w.stats.host_wait,
                          "window": w.config.window}))
     if dist is not None:
@@ -348,7 +351,21 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         # last end, the median over rounds
         "read_s": makespan([r["read_spans"] for r in results]) if results and results[0].get("read_spans")
         else None,
+        **phase_split([r["phases"] for r in results] if results and results[0].get("phases") else None),
     }
+
+
+def phase_split(phases) -> dict:
+    """Where a row's time went, from every rank's (call, exchange start, exchange end) per timed round
+    (ranks x rounds x 3, one clock): `found_s`, from the first rank's call to the last rank's first
+    datagram (every rank's blocks found: the exchange cannot complete a round before), and `exchange_s`,
+    from there to the last rank's last result; medians over rounds."""
+    if not phases:
+        return {"found_s": None, "exchange_s": None}
+    p = np.asarray(phases, np.float64)
+    found = p[:, :, 1].max(axis=0)
+    return {"found_s": float(np.median(found - p[:, :, 0].min(axis=0))),
+            "exchange_s": float(np.median(p[:, :, 2].max(axis=0) - found))}
 
 
 # -- reporting (pure functions of the results) ---------------------------------------------------------
@@ -417,6 +434,9 @@ def floor_line(row: Mapping) -> str:
     if row.get("read_s"):
         line += (f"; the read alone in the same rounds {row['read_s']:.4f} s, ZeroSum "
                  f"{row['zerosum_s'] / row['read_s']:.2f}x that ({row['zerosum_s'] - row['read_s']:.4f} s more)")
+    if row.get("found_s") is not None:
+        line += (f"; every rank's blocks found {row['found_s']:.4f} s after the first call, the exchange "
+                 f"{row['exchange_s']:.4f} s after that")
     return line
 
 

@@ -45,6 +45,9 @@ class WorkerStats:
     drains: int = 0              # the congestion window's drains (R-C8), all allreduces
     competitive: bool = False    # the last drain found a queue that another flow keeps (R-C8)
     host_wait: float = 0.0       # the longest a result waited in the socket to be read, seconds (R-C4)
+    # the last allreduce's exchange in time.monotonic(): from its bootstrap round (its blocks found, its
+    # machine set up) to its last result; what came before it in the call was finding the blocks
+    exchange: tuple = (0.0, 0.0)
 
 
 def _aggregator_list(aggregators) -> tuple[list[str], list[tuple[str, int]]]:
@@ -500,7 +503,9 @@ class Worker:
                             self._column_orders.get(source.nblocks))
             m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, path=self._path,
                                  scratch=self._scratch)
+            began = time.monotonic()
             self._run(m)
+            self.stats.exchange = (began, time.monotonic())
             self._path = m.path
             # (the path's window: an allreduce that ended in a drain (R-C8) held 2 entries only for it)
             self.stats.window = int(self._path.cwnd) if m.st.i[WS.I_CONGESTION] else m.window_columns * (
@@ -513,6 +518,9 @@ class Worker:
             self.stats.competitive = self._path.competitive > 0
             self.stats.host_wait = max(self.stats.host_wait, self._path.host_wait)
             self.last_union = (m.union_blocks, source.nblocks)
+        else:
+            now = time.monotonic()
+            self.stats.exchange = (now, now)      # nothing to exchange
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:

@@ -172,14 +172,22 @@ def test_a_row_has_the_read_of_its_own_rounds_beside_its_time():
                 "read_spans": [(1.000, 1.008), (2.000, 2.014)]},
                {"zerosum_s": [0.02, 0.03], "gloo_s": [0.2, 0.2], "marks": [({}, {})] * 3, "digest": "d",
                 "read_spans": [(1.002, 1.010), (2.001, 2.012)]}]
+    # each rank's call, then its first datagram (its blocks found), then its last result: the last rank's
+    # blocks found 9 and 11 ms after the first call, the last result 5 and 9 ms after that
+    results[0]["phases"] = [(0.100, 0.106, 0.114), (0.200, 0.211, 0.220)]
+    results[1]["phases"] = [(0.101, 0.109, 0.112), (0.203, 0.208, 0.215)]
     row = summarize_row(2, 0.01, PLAN, results, [{}], [{}])
     assert row["read_s"] == pytest.approx(0.012)              # median of 10 and 14 ms
-    assert summarize_row(2, 0.01, PLAN, [{**r, "read_spans": []} for r in results], [{}], [{}])["read_s"] is None
+    assert row["found_s"] == pytest.approx(0.010) and row["exchange_s"] == pytest.approx(0.007)
+    bare = summarize_row(2, 0.01, PLAN, [{**r, "read_spans": [], "phases": []} for r in results], [{}], [{}])
+    assert bare["read_s"] is None and bare["found_s"] is None and bare["exchange_s"] is None
     line = floor_line({**row, "floor_s": 0.010, "floor_gloo_s": 0.19})
     assert line.startswith("2 workers, density 0.01: ZeroSum 2.50x the floor's time (0.010 s; gloo beside "
                            "the floor 0.190 s)")
-    assert line.endswith("; the read alone in the same rounds 0.0120 s, ZeroSum 2.08x that (0.0130 s more)")
-    assert "read alone" not in floor_line({**row, "read_s": None, "floor_s": 0.010, "floor_gloo_s": 0.19})
+    assert line.endswith("; the read alone in the same rounds 0.0120 s, ZeroSum 2.08x that (0.0130 s more); "
+                         "every rank's blocks found 0.0100 s after the first call, the exchange 0.0070 s after that")
+    bare = floor_line({**row, "read_s": None, "found_s": None, "floor_s": 0.010, "floor_gloo_s": 0.19})
+    assert bare.endswith("(0.010 s; gloo beside the floor 0.190 s)")
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 1000, 1001])
@@ -263,4 +271,6 @@ def test_a_small_bench_reports_per_row_cpu_and_retransmissions(tmp_path):
     assert row["worker_datagrams"] > 0 and row["aggregator_datagrams"] >= fan_out * row["worker_datagrams"] * 0.9
     assert row["aggregator_datagrams"] < (fan_out + 0.25) * row["worker_datagrams"]
     assert row["worker_cpu_us_per_datagram"] > 0 and row["aggregator_cpu_us_per_datagram"] > 0
+    # where the time went: every rank's blocks found, then the exchange (stamped by the workers)
+    assert 0 < row["found_s"] and 0 < row["exchange_s"] and row["read_s"] is None   # no --floor: no read
     assert (tmp_path / "bench.png").exists() == (row["gloo_s"] is not None)
