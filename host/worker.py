@@ -46,7 +46,8 @@ class WorkerStats:
     competitive: bool = False    # the last drain found a queue that another flow keeps (R-C8)
     host_wait: float = 0.0       # the longest a result waited in the socket to be read, seconds (R-C4)
     # the last allreduce's exchange in time.monotonic(): from its bootstrap round (its blocks found, its
-    # machine set up) to its last result; what came before it in the call was finding the blocks
+    # machine set up) to its last result, or to its failure; what came before it in the call was finding
+    # the blocks
     exchange: tuple = (0.0, 0.0)
 
 
@@ -504,8 +505,10 @@ class Worker:
             m = AllreduceMachine(self.config, self.epoch, source, layout, sink, average=average, path=self._path,
                                  scratch=self._scratch)
             began = time.monotonic()
-            self._run(m)
-            self.stats.exchange = (began, time.monotonic())
+            try:
+                self._run(m)
+            finally:
+                self.stats.exchange = (began, time.monotonic())
             self._path = m.path
             # (the path's window: an allreduce that ended in a drain (R-C8) held 2 entries only for it)
             self.stats.window = int(self._path.cwnd) if m.st.i[WS.I_CONGESTION] else m.window_columns * (

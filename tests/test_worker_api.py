@@ -75,6 +75,40 @@ def test_allreduces_of_other_sizes_after_each_other_reuse_the_datagram_buffer(ag
             assert got.tobytes() == reference_allreduce(xs).tobytes()
 
 
+def test_stats_stamp_each_allreduces_exchange_after_its_blocks_are_found(agg3, monkeypatch):
+    """Worker.stats.exchange: (from the bootstrap round, to the last result) of the last allreduce in
+    time.monotonic(), inside the call and after its scan; a failed exchange is stamped up to its failure."""
+    import time
+    xs = [sparse_tensor(r, 4, 200_000, 0.2) for r in range(3)]
+    scans = []
+    real_dense = zerosum.worker.BlockSource.dense
+
+    def dense(flat, block_size):
+        source = real_dense(flat, block_size)
+        scans.append(time.monotonic())
+        return source
+    monkeypatch.setattr(zerosum.worker.BlockSource, "dense", staticmethod(dense))
+
+    def fn(rank, w):
+        before = time.monotonic()
+        got = w.allreduce(xs[rank])
+        return before, w.stats.exchange, time.monotonic(), got
+
+    for before, (start, end), after, got in run_threads(3, agg3.address, fn):
+        assert before < start <= end <= after and start > min(scans)
+        assert got.tobytes() == reference_allreduce(xs).tobytes()
+
+    def fail_after(m):
+        time.sleep(0.05)
+        raise zerosum.ZeroSumTimeout("no progress")
+    with zerosum.Worker(0, 1, [agg3.address], job=99) as w:     # a job of its own on the same aggregator
+        monkeypatch.setattr(w, "_run", fail_after)
+        with pytest.raises(zerosum.ZeroSumTimeout):
+            w.allreduce(np.ones(1000, np.float32))
+        start, end = w.stats.exchange
+        assert end - start >= 0.05
+
+
 def test_average_equals_the_sum_divided_by_the_world(agg3):
     """average=True divides each block as it arrives: bit for bit the sum / 3, in every path."""
     import torch
