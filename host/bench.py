@@ -363,9 +363,8 @@ def phase_split(phases) -> dict:
     if not phases:
         return {"found_s": None, "exchange_s": None}
     p = np.asarray(phases, np.float64)
-    found = p[:, :, 1].max(axis=0)
-    return {"found_s": float(np.median(found - p[:, :, 0].min(axis=0))),
-            "exchange_s": float(np.median(p[:, :, 2].max(axis=0) - found))}
+    return {"found_s": makespan(p[:, :, :2]),          # first call to the last exchange's start
+            "exchange_s": float(np.median(p[:, :, 2].max(axis=0) - p[:, :, 1].max(axis=0)))}
 
 
 # -- reporting (pure functions of the results) ---------------------------------------------------------
