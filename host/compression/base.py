@@ -143,3 +143,30 @@ class ErrorFeedback:
 
     def remember(self, corrected: np.ndarray, sent: np.ndarray, key) -> None:
         self.memory[key] = corrected - sent
+
+
+class WithErrorFeedback(Compressor):
+    """A compressor of the gradient plus what it left unsent before (`ErrorFeedback`), or of the
+    gradient alone when built without error feedback. Call `set_lr(η_t)` before `compress` when the
+    step size changes during training."""
+
+    def __init__(self, error_feedback: bool = True):
+        self.ef = ErrorFeedback() if error_feedback else None
+
+    def set_lr(self, lr: float) -> None:
+        """Tell the error feedback the step size the sent gradient will be multiplied by."""
+        if self.ef:
+            self.ef.set_lr(lr)
+
+    def keyed_state(self) -> list[dict]:
+        return [self.ef.memory] if self.ef else []
+
+
+class TopK(WithErrorFeedback):
+    """Keeps a fraction `density` (in (0, 1]) of the gradient: the top-k sparsifiers' common part."""
+
+    def __init__(self, density: float = 0.01, error_feedback: bool = True):
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        super().__init__(error_feedback)
+        self.density = density

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Compressor, ErrorFeedback, block_rows
+from .base import Compressor, WithErrorFeedback, block_rows
 
 
 class QSGD(Compressor):
@@ -69,7 +69,7 @@ class TernGrad(Compressor):
         return (s * np.sign(g) * b).astype(np.float32)
 
 
-class SignEF(Compressor):
+class SignEF(WithErrorFeedback):
     """Scaled sign with error feedback (EF-SignSGD, Karimireddy, Rebjock, Stich, Jaggi, "Error feedback
     fixes SignSGD and other gradient compression schemes", ICML 2019): p = γ g + e;
     Δ = (||p||_1 / d) sign(p); e ← p − Δ. As for top-k (see base.ErrorFeedback), the memory is
@@ -82,19 +82,12 @@ class SignEF(Compressor):
     not cited (docs/compression-sources.md)."""
 
     def __init__(self, block_size: int = 256):
+        super().__init__()
         self.block_size = block_size
-        self.ef = ErrorFeedback()
 
     @property
     def memory(self) -> dict:
         return self.ef.memory
-
-    def set_lr(self, lr: float) -> None:
-        """The step size the sent gradient will be multiplied by; rescales the memory by old/new."""
-        self.ef.set_lr(lr)
-
-    def keyed_state(self) -> list[dict]:
-        return [self.ef.memory]
 
     def compress(self, grad, key="default"):
         g = np.asarray(grad, np.float32)

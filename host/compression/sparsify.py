@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Compressor, ErrorFeedback, block_rows
+from .base import Compressor, TopK, block_rows
 
 
-class TopKBlocks(Compressor):
+class TopKBlocks(TopK):
     """Keep the k blocks of largest L2 norm (k = density × blocks, at least 1), with error feedback.
 
     The block-wise form of top_k (Stich et al. 2018, Definition 2.2, defined there per coordinate)
@@ -15,18 +15,8 @@ class TopKBlocks(Compressor):
     """
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True, block_size: int = 256):
-        if not 0 < density <= 1:
-            raise ValueError(f"density must be in (0, 1], got {density}")
-        self.density, self.block_size = density, block_size
-        self.ef = ErrorFeedback() if error_feedback else None
-
-    def set_lr(self, lr: float) -> None:
-        """Tell the error feedback the step size the sent gradient will be multiplied by."""
-        if self.ef:
-            self.ef.set_lr(lr)
-
-    def keyed_state(self) -> list[dict]:
-        return [self.ef.memory] if self.ef else []
+        super().__init__(density, error_feedback)
+        self.block_size = block_size
 
     def k_for(self, nblocks: int) -> int:
         return max(1, int(round(self.density * nblocks)))
@@ -54,26 +44,13 @@ class TopKBlocks(Compressor):
         return sent
 
 
-class TopKElements(Compressor):
+class TopKElements(TopK):
     """Element-wise top-k (by magnitude) with error feedback: for comparison. Its non-zeros scatter
     over many blocks, so on ZeroSum's wire it costs far more than its density suggests.
 
     top_k as in Stich et al. 2018, Definition 2.2, with the memory of their Algorithm 1 (the
     reference code epfml/sparsifiedSGD memory.py does the same: m += η g; send m[top k]; m[top k] = 0).
     """
-
-    def __init__(self, density: float = 0.01, error_feedback: bool = True):
-        if not 0 < density <= 1:
-            raise ValueError(f"density must be in (0, 1], got {density}")
-        self.density = density
-        self.ef = ErrorFeedback() if error_feedback else None
-
-    def set_lr(self, lr: float) -> None:
-        if self.ef:
-            self.ef.set_lr(lr)
-
-    def keyed_state(self) -> list[dict]:
-        return [self.ef.memory] if self.ef else []
 
     def compress(self, grad, key="default"):
         grad = np.asarray(grad, np.float32)
