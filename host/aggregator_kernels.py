@@ -120,6 +120,17 @@ def _add_swapped(words, at, pool, r):
 
 
 @njit(inline="always", **JIT)
+def _open_round(regs, s):
+    """Slot s starts a round: no rank counted, no next block seen, no data, no mark."""
+    regs[s, BITMAP] = 0
+    regs[s, COUNT] = 0
+    regs[s, MIN_NEXT] = END
+    regs[s, MIN_NEXT_EXP] = NO_EXP
+    regs[s, HAS_DATA_REG] = 0
+    regs[s, CONGESTION_REG] = 0
+
+
+@njit(inline="always", **JIT)
 def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, pool, seen, stamp,
                done, counts, replies, ce):
     """One DATA datagram from a member: validate it, then add its entries to their slots; `ce`: it
@@ -158,12 +169,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
             regs[s, SLOT_BLOCK] = BOOT
             regs[s, SLOT_EXP] = NO_EXP
             regs[s, SLOT_TENSOR_BLOCKS] = tensor_blocks
-            regs[s, BITMAP] = 0
-            regs[s, COUNT] = 0
-            regs[s, MIN_NEXT] = END
-            regs[s, MIN_NEXT_EXP] = NO_EXP
-            regs[s, CONGESTION_REG] = 0
-            regs[s, HAS_DATA_REG] = 0
+            _open_round(regs, s)
         if regs[s, SLOT_EPOCH] == epoch and block == regs[s, SLOT_BLOCK]:
             if regs[s, BITMAP] & bit:                 # R-A2: a duplicate, answered with STATUS
                 replies[0, counts[DUPS]] = s
@@ -202,12 +208,7 @@ def contribute(b, n, nent, epoch, tensor_blocks, rank, world, block_size, regs, 
                 regs[s, PREV_CONGESTION] = regs[s, CONGESTION_REG]
                 regs[s, SLOT_BLOCK] = regs[s, MIN_NEXT]
                 regs[s, SLOT_EXP] = regs[s, MIN_NEXT_EXP]
-                regs[s, BITMAP] = 0
-                regs[s, COUNT] = 0
-                regs[s, MIN_NEXT] = END
-                regs[s, MIN_NEXT_EXP] = NO_EXP
-                regs[s, HAS_DATA_REG] = 0
-                regs[s, CONGESTION_REG] = 0
+                _open_round(regs, s)
                 counts[ROUNDS] += 1
                 if not regs[s, PENDING]:
                     regs[s, PENDING] = 1
