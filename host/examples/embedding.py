@@ -13,7 +13,8 @@ import functools
 import torch
 
 from ..argtypes import positive_int
-from .harness import exit_now, parse_args, train
+from . import harness
+from .harness import parse_args
 
 TABLES, ROWS, DIM, LOOKUPS = 4, 100_000, 32, 2
 
@@ -57,9 +58,7 @@ def task(args):
 
 
 def main():
-    args = arguments()
-    train(*task(args), args)
-    exit_now()
+    harness.main(arguments, task)
 
 
 if __name__ == "__main__":

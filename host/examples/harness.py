@@ -140,6 +140,13 @@ def train(model_fn, batch_fn, loss_fn, args) -> list[dict]:
     return reports
 
 
+def main(arguments, task) -> None:
+    """An example's command: its arguments parsed, trained on the task they describe, then exit_now."""
+    args = arguments()
+    train(*task(args), args)
+    exit_now()
+
+
 def exit_now() -> None:
     """End the rank's process once training is done and torch.distributed is torn down: flush, then
     exit without the interpreter's teardown, where torch's gloo threads sometimes abort the process

@@ -16,7 +16,8 @@ import functools
 import torch
 
 from ..argtypes import positive_int
-from .harness import exit_now, parse_args, train
+from . import harness
+from .harness import parse_args
 
 ROWS, DIM, LOOKUPS, HIDDEN = 100_000, 32, 8, 1024
 
@@ -60,9 +61,7 @@ def task(args):
 
 
 def main():
-    args = arguments()
-    train(*task(args), args)
-    exit_now()
+    harness.main(arguments, task)
 
 
 if __name__ == "__main__":

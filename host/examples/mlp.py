@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .harness import exit_now, parse_args, train
+from . import harness
+from .harness import parse_args
 
 FEATURES, HIDDEN, CLASSES = 128, 512, 10
 _TRUTH = torch.Generator().manual_seed(4321)
@@ -34,9 +35,7 @@ def task(args):
 
 
 def main():
-    args = arguments()
-    train(*task(args), args)
-    exit_now()
+    harness.main(arguments, task)
 
 
 if __name__ == "__main__":
