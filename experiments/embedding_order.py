@@ -57,7 +57,7 @@ import numpy as np
 
 from zerosum import placement as pl
 
-from ranks import Ranks
+from ranks import Ranks, serve
 from report import json_safe, steps_text
 from shaped_network import (add_link_options, aggregator_ip, aggregator_on, on_host, shaped_star, worker_ip,
                             worker_options)
@@ -94,17 +94,7 @@ def _serve(rank: int, world: int) -> int:
     import torch
     import zerosum
     torch.set_num_threads(1)
-    print(RESULT + json.dumps({"ready": rank}), flush=True)
-    for line in sys.stdin:
-        cfg = json.loads(line)
-        if cfg.get("quit"):
-            break
-        try:
-            out = _train(torch, zerosum, rank, world, cfg)
-        except Exception as e:
-            out = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
-        print(RESULT + json.dumps(out), flush=True)
-    return 0
+    return serve(RESULT, rank, lambda cfg: _train(torch, zerosum, rank, world, cfg))
 
 
 def _train(torch, zerosum, rank, world, cfg) -> dict:

@@ -52,7 +52,7 @@ import scipy.sparse as sp
 from zerosum import placement as pl
 
 from libsvm import read_libsvm
-from ranks import Ranks
+from ranks import Ranks, serve
 from report import json_safe, steps_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,17 +111,7 @@ def _serve(rank: int, world: int, datafile: str) -> int:
     z = np.load(datafile)
     X = sp.csr_matrix((z["data"], z["indices"], z["indptr"]), shape=tuple(z["shape"]))
     y = z["y"]
-    print(RESULT + json.dumps({"ready": rank}), flush=True)
-    for line in sys.stdin:
-        cfg = json.loads(line)
-        if cfg.get("quit"):
-            break
-        try:
-            out = _train(zerosum, rank, world, X, y, cfg)
-        except Exception as e:   # reported: the parent fails the run with it
-            out = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
-        print(RESULT + json.dumps(out), flush=True)
-    return 0
+    return serve(RESULT, rank, lambda cfg: _train(zerosum, rank, world, X, y, cfg))
 
 
 def _train(zerosum, rank, world, X, y, cfg) -> dict:
@@ -297,9 +287,9 @@ def finish(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"| data | W | placement | blocks/worker/step | busiest | union | bytes sent/worker/step | "
+    head = ("| data | W | placement | blocks/worker/step | busiest | union | bytes sent/worker/step | "
             "received | rounds/step | step ms | time to target s | placement s | break-even steps "
-            f"(measured / 1 Gbit/s) |")
+            "(measured / 1 Gbit/s) |")
     out = [head, "|" + "---|" * 13]
     for r in rows:
         be = "—" if r["method"] == "random" else \

@@ -1,6 +1,7 @@
 """Worker ranks as long-lived processes of an experiment script: each runs `script --serve RANK WORLD
 *extra`, takes one JSON configuration per line on stdin and answers with one line that starts with the
-script's result marker; the pool sends a configuration to every rank and collects their answers.
+script's result marker; the pool (`Ranks`) sends a configuration to every rank and collects their
+answers, and `serve` is the rank's side.
 `where(rank)` is a command prefix for a rank's process, e.g. ["ip", "netns", "exec", NS]."""
 from __future__ import annotations
 
@@ -8,6 +9,22 @@ import json
 import subprocess
 import sys
 from typing import Callable
+
+
+def serve(marker: str, rank: int, handle: Callable[[dict], dict]) -> int:
+    """A rank's loop: say it is ready, then answer each configuration on stdin with handle(cfg), or
+    with the error it raised (the pool fails the run with it), until a quit or the end of stdin."""
+    print(marker + json.dumps({"ready": rank}), flush=True)
+    for line in sys.stdin:
+        cfg = json.loads(line)
+        if cfg.get("quit"):
+            break
+        try:
+            out = handle(cfg)
+        except Exception as e:
+            out = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+        print(marker + json.dumps(out), flush=True)
+    return 0
 
 
 class Ranks:
