@@ -287,9 +287,8 @@ class Rule:
         return order[:k]
 
 
-def gd_to_target(problem, step, eps, max_steps):
-    """Compressed GD with step 1/L from the start until f − f* ≤ ε or `max_steps`: step(g) gives the message
-    (indices, float32 values) sent for gradient g. Returns (steps to ε or None, the last gap)."""
+def to_target(problem, step, eps, max_steps):
+    """From the start, step() until f − f* ≤ ε or `max_steps` steps: (steps to ε or None, the last gap)."""
     problem.reset()
     for n in range(max_steps + 1):
         gap = problem.gap()
@@ -297,8 +296,16 @@ def gd_to_target(problem, step, eps, max_steps):
             return n, gap
         if n == max_steps:
             return None, gap
+        step()
+
+
+def gd_to_target(problem, step, eps, max_steps):
+    """Compressed GD with step 1/L from the start until f − f* ≤ ε or `max_steps`: step(g) gives the message
+    (indices, float32 values) sent for gradient g. Returns (steps to ε or None, the last gap)."""
+    def gd_step():
         idx, vals = step(problem.grad())
         problem.move(idx, -vals.astype(np.float64) / problem.L)
+    return to_target(problem, gd_step, eps, max_steps)
 
 
 def descend(problem, rule, d, eps, max_steps, costs: dict[str, A.BitCost], own: str | None):
@@ -409,15 +416,10 @@ def part2(problem: Logistic, workers, B, eps, max_steps, log=print):
         return block_rows(v.astype(np.float32), B)[0]
 
     def run(name, select, stale=False):
-        problem.reset()
-        total, prev, ks, mismatches, steps = 0, None, [], 0, None
-        for step in range(max_steps + 1):
-            gap = problem.gap()
-            if gap <= eps:
-                steps = step
-                break
-            if step == max_steps:
-                break
+        total, prev, ks, mismatches = 0, None, [], 0
+
+        def step():
+            nonlocal total, prev, mismatches
             local = problem.local_grads()
             agg = np.sum(local, axis=0)
             own_has = np.abs(blocks(local[0])).max(axis=1) > 0
@@ -439,6 +441,8 @@ def part2(problem: Logistic, workers, B, eps, max_steps, log=print):
             idx = np.flatnonzero(mask)
             problem.move(idx, -estimate[idx] / problem.L)
             prev = agg
+
+        steps, gap = to_target(problem, step, eps, max_steps)
         ks = np.array(ks or [0])
         r = {"steps": steps, "final_gap": gap, "bytes": total, "k_min": int(ks.min()), "k_max": int(ks.max()),
              "k_mean": float(ks.mean()), "mismatches": mismatches}
@@ -475,19 +479,16 @@ def error_feedback(problem, workers, B, m, eps, max_steps, grid, log):
     for k in grid + ["adaptive"]:
         comps = [C.AdaptiveTopKBlocks(columns=m, block_size=B) if k == "adaptive"
                  else C.TopKBlocks(k / m, True, block_size=B) for _ in range(workers)]
-        problem.reset()
-        total, steps = 0, None
-        for step in range(max_steps + 1):
-            gap = problem.gap()
-            if gap <= eps:
-                steps = step
-                break
-            if step == max_steps:
-                break
+        total = 0
+
+        def step():
+            nonlocal total
             contributions = [c.compress(g.astype(np.float32), 0) for c, g in zip(comps, problem.local_grads())]
             total += C.wire_bytes(contributions[0], B, columns=m, rounds=C.rounds_of(contributions, B))
             estimate = np.sum(contributions, axis=0).astype(np.float64)
             problem.move(np.arange(problem.d), -estimate / problem.L)
+
+        steps, gap = to_target(problem, step, eps, max_steps)
         name = f"EF k={k}" if k != "adaptive" else "EF adaptive"
         out[name] = {"steps": steps, "final_gap": gap, "bytes": total}
         if k == "adaptive":
