@@ -97,7 +97,7 @@ import numpy as np
 import torch
 
 from .errors import ZeroSumError
-from .torch import worker_lock
+from .torch_backend import worker_lock
 
 __all__ = ["PriorityScheduler", "Chunk", "IterationStats"]
 

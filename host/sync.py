@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
-from .torch import HookState, allreduce_hook, default_worker, worker_lock
+from .torch import HookState, allreduce_hook
+from .torch_backend import default_worker, worker_lock
 from .worker import Worker
 
 __all__ = ["PeriodicModelAverager", "PostLocalSGDState", "post_localSGD_hook", "PostLocalSGDOptimizer",
