@@ -43,12 +43,6 @@ class Layout:
     def aggregator_of(self, columns: np.ndarray) -> np.ndarray:
         return columns % self.aggregators
 
-    def slot_of(self, columns: np.ndarray) -> np.ndarray:
-        return columns // self.aggregators
-
-    def column_of(self, aggregator: int, slots: np.ndarray) -> np.ndarray:
-        return slots.astype(np.int64) * self.aggregators + aggregator
-
     def slots_used(self, aggregator: int) -> int:
         """How many local slots of `aggregator` hold a column."""
         return max(0, -(-(self.columns - aggregator) // self.aggregators))

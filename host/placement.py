@@ -278,9 +278,6 @@ class Assignment:
         """Non-zero blocks of each worker's full-batch gradient."""
         return self.footprint.per_worker[0]
 
-    def samples_of(self, rank: int) -> np.ndarray:
-        return np.flatnonzero(self.parts == rank)
-
     def summary(self) -> dict:
         sizes = self.sizes
         return {"method": self.method, "workers": self.workers, "seconds": self.seconds,

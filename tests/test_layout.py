@@ -69,7 +69,9 @@ def _balancing_rank(out, rank, world, addresses):
         counts = np.zeros(len(x) // 64, np.int64)
         counts[BlockSource.dense(x, 64).blocks] = 1
         shares = w.balance_columns(counts)
-        out.put((rank, first, w.allreduce(x), shares))
+        balanced = w.allreduce(x)
+        w.stripe_columns()
+        out.put((rank, first, balanced, shares, w.allreduce(x), not w._column_orders))
 
 
 def _skewed(rank):
@@ -93,8 +95,10 @@ def test_workers_balance_their_columns_collectively_and_sums_stay_exact():
         for a in aggs:
             a.stop()
     ref = reference_allreduce([_skewed(r) for r in range(2)], 64)
-    (_, first0, second0, (before0, after0)), (_, first1, second1, (before1, after1)) = sorted(reports, key=lambda r: r[0])
-    for got in (first0, second0, first1, second1):
+    (_, first0, second0, (before0, after0), third0, striped0), \
+        (_, first1, second1, (before1, after1), third1, striped1) = sorted(reports, key=lambda r: r[0])
+    for got in (first0, second0, first1, second1, third0, third1):   # third: striped again (stripe_columns)
         assert got.tobytes() == ref.tobytes()
+    assert striped0 and striped1
     np.testing.assert_array_equal(after0, after1)          # the same order on every rank
     assert before0.max() > 0.7 and after0.max() < 0.55      # striping put the first blocks on one aggregator
