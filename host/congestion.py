@@ -2,7 +2,7 @@
 R-C8) and the pacer (R-C7) of docs/protocol.md.
 
 Each function updates the allreduce's state record (zerosum.worker_state) from what the driver loop
-(zerosum.kernels) saw: a round trip, rounds delivered, a loss, an ECN mark, the host's own wait. The
+(zerosum.worker_kernels) saw: a round trip, rounds delivered, a loss, an ECN mark, the host's own wait. The
 driver asks it how many columns the window admits, how many the pacer lets go now and when it next
 needs a look; the machine (zerosum.worker_machine) carries its estimates from one allreduce to the next.
 """

@@ -2,7 +2,7 @@
 
 numba keys a cached kernel on the modification time of its own file only. A kernel that calls one
 defined in another file, or reads another module's constants, keeps what it was compiled against after
-that file changes, and runs it without a word (kernels.drive kept transport.receive2's old body after
+that file changes, and runs it without a word (worker_kernels.drive kept transport.receive2's old body after
 receive2 changed). So the package stamps the cache with a digest of the kernels' sources and of every
 module of the package they import; at import, a digest that differs clears the package's cached
 kernels, which then compile anew (warmup.warm_up compiles them all).
@@ -16,7 +16,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parent
 # the modules that define kernels (numba's cache=True)
-KERNEL_MODULES = ("stores", "transport", "wire", "block_scan", "congestion", "kernels", "aggregator_kernels")
+KERNEL_MODULES = ("stores", "transport", "wire", "block_scan", "congestion", "worker_rounds", "worker_kernels",
+                  "aggregator_kernels")
 STAMP = "zerosum-kernels.digest"
 
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w*)\s+import\s+\(?([\w\s,]*)", re.MULTILINE)

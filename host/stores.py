@@ -9,7 +9,7 @@ memcpy switches to them above 3/4 of the shared cache, and so does `streams(nbyt
 
 Non-temporal stores are weakly ordered: they are seen by this thread at once but by other threads and
 devices (a GPU's copy out of pinned memory) only after a store fence, which `fence()` issues; the
-driver calls it before it hands the output back (kernels.drive).
+driver calls it before it hands the output back (worker_kernels.drive).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _stream_kernel(divide: bool):
     def kernel(typingctx, src, dst, scale, divisor):
         """LANES big-endian int32 at address `src` -> float32(int) * scale (/ divisor), stored at `dst`
         (ALIGN-aligned) with non-temporal stores. The same arithmetic, in the same order and precision,
-        as kernels._store_floats, so the sums are bit-identical."""
+        as worker_kernels._store_floats, so the sums are bit-identical."""
         def codegen(context, builder, signature, args):
             i32, f32 = ir.IntType(32), ir.FloatType()
             vi, vf = ir.VectorType(i32, LANES), ir.VectorType(f32, LANES)

@@ -19,7 +19,8 @@ import numpy as np
 
 from . import aggregator_kernels as AK
 from . import congestion as CC
-from . import kernels as K
+from . import worker_kernels as K
+from . import worker_rounds as R
 from .aggregator_machine import AggregatorMachine
 from .blocks import BlockSource, CollectedBlocks, DenseResult
 from .layout import Layout
@@ -59,7 +60,7 @@ def warm_up() -> None:
             now, pending = 0.0, []
             while not m.done:
                 m.timer()
-                K.recovery_timer(m.st)        # (what poll asks while the pacer holds columns back, R-C7)
+                R.recovery_timer(m.st)        # (what poll asks while the pacer holds columns back, R-C7)
                 if not pending:
                     now = max(now, m.timer())
                     pending = m.poll(now)
@@ -77,7 +78,7 @@ def warm_up() -> None:
             # one's round-trip estimate, on a loss, for the pacer's report (this machine is done with)
             CC.update_rto(m.st, np.int64(0))
             CC.on_loss(m.st, 0.0)
-            K.tail_candidates(m.st, np.empty(1, np.int64))     # a tail probe (R-L8)
+            R.tail_candidates(m.st, np.empty(1, np.int64))     # a tail probe (R-L8)
             CC.judged_columns(m.st, np.int64(0))                # the rounds its RESULT makes overdue
             m.pacing
             m.srtt, m.min_rtt
@@ -86,7 +87,7 @@ def warm_up() -> None:
 
 
 def _warm_up_transport(B: int) -> int:
-    """The compiled driver loops (kernels.drive, aggregator_kernels.serve_until) over two loopback sockets, one
+    """The compiled driver loops (worker_kernels.drive, aggregator_kernels.serve_until) over two loopback sockets, one
     tiny allreduce per dtype and result kind. Returns how many of the four finished (0 without batched
     I/O, where these loops do not run)."""
     from . import transport as T

@@ -15,7 +15,7 @@ from . import tensors
 from .blocks import BlockSource, CollectedBlocks, DenseResult, block_count
 from .errors import AggregatorSilent, ZeroSumError, ZeroSumTimeout
 from .layout import Layout, balanced_column_order
-from . import kernels as K
+from . import worker_kernels as K
 from . import worker_state as WS
 from . import perfmap
 from . import transport as T
@@ -527,7 +527,7 @@ class Worker:
         self.stats.allreduces += 1
 
     def _run(self, m: AllreduceMachine) -> None:
-        """Drive the machine until the allreduce is done: in compiled code (kernels.drive: batches of
+        """Drive the machine until the allreduce is done: in compiled code (worker_kernels.drive: batches of
         received datagrams applied, ready rounds sent with sendmmsg/GSO, waits on the socket until the
         machine's timer), entering Python only for probes, retransmissions, violations and growing a
         sink; where batched I/O is not available, through the machine's Python interface."""

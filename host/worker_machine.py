@@ -14,8 +14,9 @@ Per column the worker keeps the block of the current round and its agreed expone
 its own next non-zero block in the column. In each round it sends one entry per column: the data of the
 round's block if it is its own next non-zero block, otherwise a header-only entry; either way carrying
 its next non-zero block index after the round's block (docs/protocol.md, "A round"). The per-entry work
-(quantise and encode, decode and dequantise into the output) is in zerosum.kernels, the timers, the
-congestion window and the pacer in zerosum.congestion, over the record of zerosum.worker_state.
+(quantise and encode, decode and dequantise into the output) is in zerosum.worker_kernels, which rounds go
+next and the timers in zerosum.worker_rounds, the round-trip estimates, the congestion window and the pacer
+in zerosum.congestion, all over the record of zerosum.worker_state.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import congestion as CC
-from . import kernels as K
+from . import worker_kernels as K
+from . import worker_rounds as R
 from . import protocol as P
 from . import worker_state as WS
 from .blocks import BlockSource, CollectedBlocks, DenseResult
@@ -36,7 +38,7 @@ from .stores import streams
 
 JOIN_INTERVAL = 0.05   # R-J1 (docs/protocol.md): JOIN is repeated every 50 ms until all ranks joined
 DELAY_TARGET = 0.005   # R-C3: well under the 50 ms a shaper or switch port typically queues
-_NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (kernels.sort_by_column)
+_NO_ORDER = np.zeros(0, np.int64)   # Layout.column_order None: plain striping (worker_kernels.sort_by_column)
 
 
 def _per_aggregator(value, aggregators: int, dtype=np.float64) -> np.ndarray:
@@ -225,7 +227,7 @@ class AllreduceMachine:
     kernels update: per column the block of the current round and its agreed exponent, a pointer to the
     worker's own next non-zero block in the column, the retransmission timer; per aggregator the probe
     and when it was last heard. The Python methods below are the sans-IO driver interface; Worker's
-    compiled driver (kernels.drive) runs the same kernels over the same record, and returns here for
+    compiled driver (worker_kernels.drive) runs the same kernels over the same record, and returns here for
     what is decided per event rather than per datagram (probes, retransmissions, violations)."""
 
     def __init__(self, config: WorkerConfig, epoch: int, source: BlockSource, layout: Layout,
@@ -328,7 +330,7 @@ class AllreduceMachine:
         # none counts as before another.
         self._flush_in_one_order = not K.fills_datagrams(
             min(config.max_datagram, P.MAX_DATAGRAM) - P.PACKET_HEADER_SIZE, config.max_entries)
-        self._tail_probe_of = np.empty(A, np.int64)   # scratch for kernels.tail_candidates
+        self._tail_probe_of = np.empty(A, np.int64)   # scratch for worker_rounds.tail_candidates
         # per aggregator, the other columns whose timers had expired when its probe went out, and their
         # rounds then (probe_answered: did any of them complete without being resent?)
         self._probed_expired = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * A
@@ -433,7 +435,7 @@ class AllreduceMachine:
         """
         if self.last_progress is None:
             return np.inf
-        return float(K.timer(self.st))
+        return float(R.timer(self.st))
 
     # -- events -------------------------------------------------------------------------------------
     def begin(self, now: float) -> None:
@@ -486,7 +488,7 @@ class AllreduceMachine:
             return []
         self.judge_probes(now)
         st = self.st
-        if st.i[WS.I_PACE_HELD] and now < K.recovery_timer(st):
+        if st.i[WS.I_PACE_HELD] and now < R.recovery_timer(st):
             return self.flush(now)
         if self.last_progress + self.cfg.timeout <= now:   # R-L5; the same expression as timer()
             raise ZeroSumTimeout(self._timeout_message(now))
@@ -503,7 +505,7 @@ class AllreduceMachine:
                 st.allow[a] = 0
         expired = self._expired(now)
         A = self.layout.aggregators
-        n = K.take_expired(st.round_block, st.cols, A, st.deadline, st.sent_at, st.resent,
+        n = R.take_expired(st.round_block, st.cols, A, st.deadline, st.sent_at, st.resent,
                            st.rto, st.allow, self.cfg.max_rto, now)
         taken_from = np.bincount(st.cols[:n] % A, minlength=A)
         st.loss_confirmed[taken_from == 0] = False     # nothing expired there: no loss left to repair
@@ -544,7 +546,7 @@ class AllreduceMachine:
         if not np.isfinite(st.tail_pto).any():
             return 0
         probe_of = self._tail_probe_of
-        K.tail_candidates(st, probe_of)
+        R.tail_candidates(st, probe_of)
         k = 0
         for a in range(self.layout.aggregators):
             c = int(probe_of[a])

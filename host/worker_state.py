@@ -1,8 +1,8 @@
 """The worker's state record for one allreduce, as its compiled kernels see it.
 
 AllreduceMachine (zerosum.worker_machine) owns the arrays and documents what they hold; the kernels of
-zerosum.kernels (the data path and the driver loop) and zerosum.congestion (the timers, the congestion
-window and the pacer) read and write them through this record and its indices, so that a field is
+zerosum.worker_kernels (the data path and the driver loop), zerosum.worker_rounds (which rounds go next,
+the timers) and zerosum.congestion (round trips, loss detection, the congestion window and the pacer) read and write them through this record and its indices, so that a field is
 declared once.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ class WorkerState(NamedTuple):
     slots_used: np.ndarray     # int64 [A]
     allow: np.ndarray          # int64 [A]: scratch for take_expired and take_ready
     cols: np.ndarray           # int64 [S]: scratch: columns to send
-    order: np.ndarray          # int64 [S]: scratch: their order in datagrams (kernels.pack_entries)
+    order: np.ndarray          # int64 [S]: scratch: their order in datagrams (worker_kernels.pack_entries)
     seen: np.ndarray           # int64: scratch for check_slots
     out: np.ndarray            # uint8: datagrams to send
     cuts: np.ndarray           # int64 [S + A, 3]: (aggregator, start, end) in out

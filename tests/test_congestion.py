@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from zerosum import congestion as CC
-from zerosum import kernels as K
+from zerosum import worker_kernels as K
+from zerosum import worker_rounds as R
 from zerosum import protocol as P
 from zerosum import worker_state as WS
 from zerosum.aggregator_machine import AggregatorMachine
@@ -754,7 +755,7 @@ def test_no_pacing_before_a_round_trip_sample_or_without_the_congestion_window()
                         (dict(pacing=False), 40)):
         m = rounds_ready(**cfg)
         assert m.pacing == (np.inf, np.inf) and sent(m, 1.0) == window, cfg
-        assert m.timer() == K.recovery_timer(m.st)
+        assert m.timer() == R.recovery_timer(m.st)
 
 
 def test_the_pacer_releases_a_full_datagram_of_entries_at_once():
@@ -806,7 +807,7 @@ def test_bootstrap_entries_are_not_paced():
     """R-C7 paces what the window holds (R-L6): the bootstrap round of every column goes at once."""
     m = rounds_ready()
     m.st.round_block[:] = P.BOOT
-    assert sent(m, 1.0) == 64 and m.timer() == K.recovery_timer(m.st)
+    assert sent(m, 1.0) == 64 and m.timer() == R.recovery_timer(m.st)
 
 
 def dense(world=4, n=1 << 18, seed=0):

@@ -6,7 +6,7 @@
 - the per-value loops: quantising (x * 2**s, rounded half to even) and dequantising
   (float32(sum) * 2**s / divisor) for every power-of-two shift in and beyond float32's exponent range,
   bit for bit against np.ldexp and against exact float64 arithmetic;
-- grouping a worker's blocks by column (kernels.sort_by_column) against numpy's stable argsort;
+- grouping a worker's blocks by column (worker_kernels.sort_by_column) against numpy's stable argsort;
 - the whole machine path (netsim) for worlds up to 16 and odd block sizes, against reference_allreduce;
 - NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker;
 - the driver loop's order of ready columns (take_ready) and its recovery timer (recovery_timer with due_by).
@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from netsim import run
 from zerosum import aggregator_kernels as AK
 from zerosum import block_scan as BS
-from zerosum import kernels as K
+from zerosum import worker_kernels as K
+from zerosum import worker_rounds as R
 from zerosum import protocol as P
 from zerosum import transport as T
 from zerosum import wire as W
@@ -245,7 +246,7 @@ def test_scan_finds_a_block_at_every_place_of_its_group(block_size):
 @given(nblocks=st.integers(1, 5000), aggregators=st.integers(1, 3), slots=st.integers(1, 80),
        balanced=st.booleans(), fraction=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
 def test_sort_by_column_is_a_stable_argsort_by_column(nblocks, aggregators, slots, balanced, fraction, seed):
-    """kernels.sort_by_column against numpy's stable argsort of Layout.column_of_block: the same order,
+    """worker_kernels.sort_by_column against numpy's stable argsort of Layout.column_of_block: the same order,
     the same column starts, exponents and rows carried along, END after the last block; with plain
     striping and with a balanced column order, blocks far apart (steps of more than a column's width)
     and adjacent."""
@@ -540,7 +541,7 @@ def test_nan_and_inf_are_refused_before_anything_is_sent():
 
 
 def _take_ready(queue, S, A, admitted, budget, quantum=1, first=0, boot=()):
-    """K.take_ready over the ready columns `queue` (in arrival order) of S columns and A aggregators, every
+    """R.take_ready over the ready columns `queue` (in arrival order) of S columns and A aggregators, every
     column past its bootstrap except those in `boot`. Returns (columns taken, queue left, paced, held)."""
     ready = np.zeros(S, bool)
     ready[queue] = True
@@ -551,7 +552,7 @@ def _take_ready(queue, S, A, admitted, budget, quantum=1, first=0, boot=()):
     cols = np.zeros(S, np.int64)
     deadline, sent_at, rto = np.full(S, np.inf), np.full(S, np.nan), np.full(S, 0.2)
     resent = np.ones(S, bool)
-    k, paced, held, _, kept = K.take_ready(ready, q, len(queue), cols, A, deadline, sent_at, resent, rto, 1.0,
+    k, paced, held, _, kept = R.take_ready(ready, q, len(queue), cols, A, deadline, sent_at, resent, rto, 1.0,
                                            round_block, admitted, budget, quantum, first, np.zeros(A, np.int64))
     taken = cols[:k].tolist()
     assert not ready[taken].any() and ready[q[:kept]].all()
@@ -593,7 +594,7 @@ def _greedy_cuts(costs, budget, max_entries):
        budget=st.integers(16, 3000), max_entries=st.sampled_from([1, 2, 3, 7, 0xFFFF]),
        lo=st.integers(0, 3), seed=st.integers(0, 2**32 - 1))
 def test_pack_entries_fills_datagrams_and_keeps_each_kinds_order(has, block_size, budget, max_entries, lo, seed):
-    """kernels.pack_entries: a permutation of the round's entries in which data entries keep their order
+    """worker_kernels.pack_entries: a permutation of the round's entries in which data entries keep their order
     and header-only entries theirs; cut as encode_data cuts, every datagram that still had room for a
     header-only entry (by bytes and by count) is followed by no header-only entry; never more datagrams
     than the arrival order; cols outside [lo, hi) untouched."""
@@ -697,7 +698,7 @@ def _gso_messages(sizes, most=64):
 @settings(max_examples=300, deadline=None)
 @given(columns=st.integers(1, 40), aggregators=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(columns, aggregators, seed):
-    """kernels.recovery_timer(st, now), which spares the driver loop a scan of every column after every
+    """worker_rounds.recovery_timer(st, now), which spares the driver loop a scan of every column after every
     batch: where recovery_timer(st) is due by `now` it returns it exactly; otherwise a time after `now` and
     no later than it (waking early costs a look, waking late would delay a retransmission or the
     timeout), over random rounds, deadlines, probes, confirmed losses and last-heard times."""
@@ -719,7 +720,7 @@ def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(column
         st.f[WS.F_LAST_PROGRESS] = rng.uniform(0, 2)
         st.i[WS.I_REMAINING] = 0 if rng.random() < 0.05 else S
         now = rng.uniform(0, 2.5)
-        exact, after = K.recovery_timer(st), K.recovery_timer(st, now)
+        exact, after = R.recovery_timer(st), R.recovery_timer(st, now)
         if exact <= now:
             assert after == exact
         else:
@@ -727,7 +728,7 @@ def test_the_driver_loops_recovery_timer_is_never_late_and_exact_when_due(column
 
 
 def test_the_driver_s_raw_state_record_is_every_field_over_the_same_memory():
-    """The driver loop works on a copy of the state record without reference counts (kernels._raw_state,
+    """The driver loop works on a copy of the state record without reference counts (worker_kernels._raw_state,
     which numba makes build the record field by field, in order): each field must be the same memory as
     the machine's, or the loop would keep its timers, estimates or sums where nothing reads them."""
     B = 4

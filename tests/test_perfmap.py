@@ -16,9 +16,9 @@ def test_short_names_of_numba_symbols():
     kernel = ("_ZN7zerosum10block_scan11scan_blocksB2v1B52c8tJTIeFIjxB2IKSgI4CrvSCKg1MMfAwK4LJISUWsIgmAA_3d_3dE5"
               "ArrayIiLi1E1C7mutable7alignedExb5ArrayIxLi1E1C7mutable7alignedE")
     assert perfmap.short_name(kernel) == "zerosum.block_scan.scan_blocks[v1]"
-    assert perfmap.short_name("_ZN7cpython7zerosum7kernels5driveB4v427B52c8tJTIeFE") == \
-        "cpython:zerosum.kernels.drive[v427]"
-    assert perfmap.short_name("cfunc._ZN7zerosum7kernels5driveB4v427B52xE") == "cfunc:zerosum.kernels.drive[v427]"
+    assert perfmap.short_name("_ZN7cpython7zerosum14worker_kernels5driveB4v427B52c8tJTIeFE") == \
+        "cpython:zerosum.worker_kernels.drive[v427]"
+    assert perfmap.short_name("cfunc._ZN7zerosum14worker_kernels5driveB4v427B52xE") == "cfunc:zerosum.worker_kernels.drive[v427]"
     assert perfmap.short_name("NRT_decref") == "NRT_decref"
 
 

@@ -6,7 +6,7 @@ import pytest
 from netsim import run
 from procs import Aggregator, sparse_tensor
 from test_worker_api import run_threads
-from zerosum import kernels as K
+from zerosum import worker_kernels as K
 from zerosum import stores
 from zerosum import worker_machine
 from zerosum import worker_state as WS

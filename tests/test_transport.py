@@ -359,7 +359,7 @@ def test_results_go_by_multicast_on_loopback_where_it_works_and_to_each_worker_w
 
 
 def test_the_warm_up_finishes_each_allreduce_through_the_compiled_loops():
-    """warmup._warm_up_transport: the worker's compiled loop (kernels.drive) against the aggregator's
+    """warmup._warm_up_transport: the worker's compiled loop (worker_kernels.drive) against the aggregator's
     (serve_until, on a thread of its own) over two loopback sockets; each of its four tiny allreduces
     (float32/int32, dense/collected) finishes, or the process would meet a kernel's first compile later."""
     from zerosum import warmup

@@ -14,8 +14,9 @@ Python objects. The aggregator's kernels are in zerosum.aggregator_kernels.
   caches where it is larger than they are: zerosum.stores).
 - drive: the worker's driver loop: batches of datagrams received, applied, and the next rounds sent.
 
-They work on the allreduce's state record (zerosum.worker_state); the timers, the congestion window and
-the pacer that the driver consults are in zerosum.congestion.
+They work on the allreduce's state record (zerosum.worker_state); which ready rounds go next and when the
+timers fire is zerosum.worker_rounds, the estimates behind them (round trips, loss detection, the
+congestion window, the pacer) zerosum.congestion.
 
 Fixed point (docs/protocol.md, "Fixed point"): q = round_half_even(x * 2**(p - e)) is computed in
 float64, where x * 2**s is exact for every float32 x and every shift a block can need, so it equals the
@@ -29,22 +30,23 @@ import math
 import numpy as np
 from numba import njit
 
-from . import protocol as P
 from . import transport as T
 from .spec import CE, ECN_MASK
 from .stores import fence, stream_floats
 
-from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,  # noqa: F401
-                   H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, CONGESTION, END, ENT, HAS_DATA, HDR, INT_EXP, JIT,
-                   E_SLOT, NO_EXP, OK, REPLY_FLAGS, check_entries, check_slots, copy_swapped as _copy_swapped, get16,
-                   get32, put_entry, put_header, read_entry, store_swapped, swap32 as _swap)
+from .wire import (H_BLOCK_SIZE, H_ENTRIES, H_EPOCH, H_JOB, H_RANK, H_TENSOR_BLOCKS, H_TYPE,
+                   H_VERSION, VERSION, AGGREGATOR_RANK, BOOT, CONGESTION, DATA, END, ENT, HAS_DATA, HDR, INT_EXP, JIT,
+                   JOIN_ACK, KNOWN_TYPES, MAX_DATAGRAM, RESULT, STATUS, E_SLOT, NO_EXP, OK, REPLY_FLAGS,
+                   check_entries, check_slots, copy_swapped as _copy_swapped, get16, get32, put_entry, put_header,
+                   read_entry, store_swapped, swap32 as _swap)
 from .congestion import (
     detect_loss, drain_step, drain_timer, entries_per_datagram, measure, note_host_wait, on_mark, on_rounds,
     on_spurious, pace_budget, pace_sent, pace_timer, tail_probe_timeout)
+from .worker_rounds import admit, recovery_timer, take_ready
 from .worker_state import (
     ASKED, D_DUPLICATE, D_EXPONENT, D_FLAGS, D_FOREIGN, D_GEOMETRY, D_LENGTH, D_RANGE, D_SHORT, D_STALE_EPOCH,
     D_TYPE, D_UNKNOWN_SOURCE, D_VERSION, F_DIVISOR, F_LAST_PROGRESS, F_MAX_RTO,
-    F_TIMEOUT, I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
+    I_ADMITTED, I_BAD_BLOCK, I_BYTES_RECEIVED, I_BYTES_SENT, I_COLLECT, I_CONGESTION,
     I_DATAGRAMS_RECEIVED, I_DATAGRAMS_SENT, I_EVENT_AGG, I_IS_INT, I_MAX_DATAGRAM, I_MAX_ENTRIES, I_PACE_FROM,
     I_PRECISION, I_QUEUED, I_REMAINING, I_SENT_ENTRIES, I_SOURCE_N, I_STAMP, I_STREAM, I_VIOLATION, I_WINDOW,
     OWN_BLOCK, OWN_EXP, OWN_ROW, TAIL_PROBES, WorkerState)
@@ -280,7 +282,7 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
     B = hdr[5]
     per_data = B * 4
     out32 = out[:out.shape[0] // 4 * 4].view(np.uint32)   # offsets are multiples of 4 (HDR, ENT, 4 B)
-    budget = min(max_bytes, P.MAX_DATAGRAM) - HDR
+    budget = min(max_bytes, MAX_DATAGRAM) - HDR
     nd = 0
     pos = 0
     i = 0
@@ -304,7 +306,7 @@ def encode_data(out, cuts, cols, ncols, order, aggregators, hdr, round_block, ro
             used += cost
             rows += 1 if has else 0
             j += 1
-        put_header(out, pos, P.DATA, hdr[0], hdr[1], hdr[2], hdr[3], hdr[4], B, j - i)
+        put_header(out, pos, DATA, hdr[0], hdr[1], hdr[2], hdr[3], hdr[4], B, j - i)
         e = pos + HDR
         d = e + (j - i) * ENT
         for k in range(i, j):
@@ -400,13 +402,13 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     out_values, out_n, collect = st.values, st.values.size, st.i[I_COLLECT] != 0
     stream = st.i[I_STREAM] != 0     # sums into an output larger than the caches (stores.py)
     B = hdr[5]
-    reason, rows, flags = check_entries(b, n, nent, B, hdr[4], ptype != P.STATUS, REPLY_FLAGS)
+    reason, rows, flags = check_entries(b, n, nent, B, hdr[4], ptype != STATUS, REPLY_FLAGS)
     if reason == OK:
         reason = check_slots(b, nent, st.slots_used[aggregator], st.seen, st.i[I_STAMP])
     if reason != OK:
         return -reason, -1.0, 0, False
     marked = (flags & CONGESTION) != 0
-    if ptype == P.RESULT:
+    if ptype == RESULT:
         # R-L4, for every entry before any is applied: a violating datagram changes nothing
         for i in range(nent):
             slot, has, block, nxt, exp, nexp = read_entry(b, HDR + i * ENT)
@@ -432,7 +434,7 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
                 _, has1, block1, _, _, _ = read_entry(b, HDR + (i + 1) * ENT)
                 if has1 and block1 != block + 1:
                     T.prefetch(out_values, block1 * B, B)
-        if ptype == P.STATUS:
+        if ptype == STATUS:
             if block == round_block[c]:
                 if block != BOOT and st.waiting_for[c] != ASKED:
                     counts[7] += 1      # the aggregator held our entry: what we resent was not lost
@@ -495,186 +497,11 @@ def apply_datagram(st, b, n, ptype, nent, aggregator, now):
     return APPLIED, rtt, 0, marked
 
 
-@njit(**JIT)
-def take_ready(ready, queue, queued, cols, aggregators, deadline, sent_at, resent, rto, now, round_block,
-               admitted, budget, quantum, first, per_agg):
-    """The ready columns (queue[:queued], in the order their results arrived), in that order within each
-    aggregator's group, the groups from aggregator `first` on (in `cols`), with their timers started.
-    Columns from `admitted` on stay ready unless their round is the bootstrap (the worker's window, R-L6),
-    and so do those past the first `budget` columns past their bootstrap (the pacer, R-C7); a budget
-    under `quantum` columns sends none of them unless it covers them all (the pacer releases a full
-    datagram's entries at once, R-C7). Columns that stay keep their place in the queue. Returns (columns
-    taken, how many of them are past their bootstrap, the columns the budget must cover before the next
-    send (0: none held back), the aggregator after the last one whose column was taken past its
-    bootstrap: where to go on, the columns left in the queue). `per_agg` is scratch, one per aggregator.
-
-    Why arrival order (R-A8): every rank receives the results of an aggregator in the same order, so every
-    rank then sends its entries in that order, and the aggregator's rounds complete in the order each
-    rank sent them. In column order, a rank that read two results in one batch sent them in the order of
-    their columns, and another that read them in two batches in the order of their arrival: rounds then
-    completed out of a rank's sending order, which loss detection (R-C4) takes for losses."""
-    if budget < quantum:
-        waiting = 0
-        for q in range(queued):
-            c = queue[q]
-            if c < admitted and round_block[c] != BOOT:
-                waiting += 1
-                if waiting > budget:
-                    budget = 0
-                    break
-    for a in range(aggregators):
-        per_agg[a] = 0
-    k = 0
-    kept = 0
-    paced = 0
-    held = 0
-    resume = first
-    for q in range(queued):
-        c = queue[q]
-        if round_block[c] != BOOT:
-            if c >= admitted:
-                queue[kept] = c
-                kept += 1
-                continue
-            if paced >= budget:
-                held += 1
-                queue[kept] = c
-                kept += 1
-                continue
-            paced += 1
-            resume = (c % aggregators + 1) % aggregators
-        ready[c] = False
-        cols[k] = c
-        per_agg[c % aggregators] += 1
-        deadline[c] = now + rto[c]
-        sent_at[c] = now
-        resent[c] = False
-        k += 1
-    if aggregators > 1 and k > 1:
-        # group by aggregator, from `first` on, keeping the order within each group: taken columns go
-        # to the end of queue as scratch (queue[kept:kept + k] is free)
-        start = 0
-        for j in range(aggregators):
-            a = (first + j) % aggregators
-            n_a = per_agg[a]
-            per_agg[a] = start
-            start += n_a
-        for t in range(k):
-            queue[kept + t] = cols[t]
-        for t in range(k):
-            c = queue[kept + t]
-            a = c % aggregators
-            cols[per_agg[a]] = c
-            per_agg[a] += 1
-    return k, paced, min(held, quantum), resume, kept
-
-
-@njit(**JIT)
-def admit(round_block, window):
-    """The worker's window (R-L6): the shortest prefix of the columns, in index order (the same on
-    every worker), that holds `window` columns which have not reached END, or all of them."""
-    S = round_block.shape[0]
-    admitted = 0
-    open_ = 0
-    while admitted < S and open_ < window:
-        if round_block[admitted] != END:
-            open_ += 1
-        admitted += 1
-    return admitted
-
-
-@njit(**JIT)
-def take_expired(round_block, cols, aggregators, deadline, sent_at, resent, rto, allow, max_rto, now):
-    """The columns whose timer expired, at most allow[a] of aggregator a, grouped by aggregator, with
-    doubled timeouts and no round-trip sample from them (Karn's rule); returns the count."""
-    S = round_block.shape[0]
-    k = 0
-    for a in range(aggregators):
-        taken = 0
-        for c in range(a, S, aggregators):
-            if taken >= allow[a]:
-                break
-            if round_block[c] != END and deadline[c] <= now:
-                taken += 1
-                rto[c] = min(rto[c] * 2, max_rto)
-                cols[k] = c
-                deadline[c] = now + rto[c]
-                sent_at[c] = now
-                resent[c] = True
-                k += 1
-    return k
-
-
-@njit(**JIT)
-def tail_candidates(st, probe_of):
-    """R-L8: per aggregator a, into probe_of[a], the column that its next tail probe would resend (-1:
-    none): of its rounds in flight (sent, without a result), with both tail probes left the one sent
-    last, with one left the one sent first."""
-    probe_of[:] = -1
-    A = probe_of.shape[0]
-    round_block, deadline, order, armed = st.round_block, st.deadline, st.sent_order, st.tail_armed
-    for c in range(round_block.shape[0]):
-        if round_block[c] != END and deadline[c] < np.inf:
-            a = c % A
-            p = probe_of[a]
-            if p < 0 or (order[c] > order[p] if armed[a] == TAIL_PROBES else order[c] < order[p]):
-                probe_of[a] = c
-
-
-@njit(**JIT)
-def next_timer(st, due_by):
-    """When the worker's timers next need a look: per aggregator, the earliest timer of its columns
-    still in progress, once the aggregator has been quiet for its base_rto; with a probe out, the probe's
-    own timer; after a confirmed loss, the earliest timer (docs/protocol.md, "Loss recovery"); or, with
-    a tail probe left, its tail_pto after the aggregator was last heard from or the round that the tail
-    probe would resend was sent, whichever came later (R-L8).
-
-    Where that time is after `due_by`, a time after `due_by` and no later than it may come instead: an
-    aggregator's term is never before its probe's timer or, without a confirmed loss, before it was last
-    heard from + its base_rto (or + its tail_pto, armed), and while those all lie past `due_by` the scan over
-    every column is skipped (the driver loop asks after every batch only whether anything is due by now,
-    and how long it may wait: waking at the bound costs one more look). due_by = inf: always the time
-    itself."""
-    probe, loss_confirmed, last_heard, armed = st.probe, st.loss_confirmed, st.last_heard, st.tail_armed
-    deadline, round_block = st.deadline, st.round_block
-    base_rto, pto = st.base_rto, st.tail_pto
-    aggregators = probe.shape[0]
-    bound = np.inf
-    exact = False
-    for a in range(aggregators):
-        if probe[a] >= 0:
-            bound = min(bound, deadline[probe[a]])
-        elif loss_confirmed[a]:
-            exact = True
-        else:
-            bound = min(bound, last_heard[a] + (min(pto[a], base_rto[a]) if armed[a] else base_rto[a]))
-    if not exact and bound > due_by:
-        return bound
-    first = np.full(aggregators, np.inf)
-    for c in range(round_block.shape[0]):
-        if round_block[c] != END and deadline[c] < first[c % aggregators]:
-            first[c % aggregators] = deadline[c]
-    probe_of = np.empty(aggregators, np.int64)
-    if pto.min() < np.inf:
-        tail_candidates(st, probe_of)
-    t = np.inf
-    for a in range(aggregators):
-        if probe[a] >= 0:
-            d = deadline[probe[a]]
-        elif loss_confirmed[a]:
-            d = first[a]
-        else:
-            d = max(first[a], last_heard[a] + base_rto[a])
-            if pto[a] < np.inf and armed[a] and probe_of[a] >= 0:      # (then tail_candidates ran)
-                d = min(d, max(last_heard[a], st.sent_at[probe_of[a]]) + pto[a])
-        t = min(t, d)
-    return t
 
 
 # -- the worker's driver loop ---------------------------------------------------------------------------
 
 _DROP_OF_REASON = np.array([-1, D_LENGTH, D_FLAGS, D_EXPONENT, D_RANGE], np.int64)   # by wire.DROP_*
-_KNOWN_TYPES = np.array(sorted(P.TYPE_NAMES), np.int64)
 
 # receive_one's outcome: APPLIED (0), a VIOLATION_* (> 0), or one of these
 DROPPED, PROBE_OUT = -1, -2
@@ -696,7 +523,7 @@ def receive_one(st, b, n, aggregator, now, ce):
         return DROPPED
     ptype = np.int64(b[H_TYPE])
     known = False
-    for t in _KNOWN_TYPES:
+    for t in KNOWN_TYPES:
         known |= t == ptype
     if not known:
         st.drops[D_TYPE] += 1
@@ -704,9 +531,9 @@ def receive_one(st, b, n, aggregator, now, ce):
     if get16(b, H_JOB) != hdr[0] or get16(b, H_RANK) != AGGREGATOR_RANK:
         st.drops[D_FOREIGN] += 1
         return DROPPED
-    if ptype == P.JOIN_ACK:
+    if ptype == JOIN_ACK:
         return DROPPED     # a late answer to a join: harmless, not counted
-    if ptype != P.RESULT and ptype != P.STATUS:
+    if ptype != RESULT and ptype != STATUS:
         st.drops[D_TYPE] += 1
         return DROPPED
     if get32(b, H_EPOCH) != hdr[3]:
@@ -733,7 +560,7 @@ def receive_one(st, b, n, aggregator, now, ce):
     if st.counts[7]:
         on_spurious(st, aggregator, st.counts[7], now, True)
         st.counts[7] = 0
-    if ptype == P.RESULT:
+    if ptype == RESULT:
         st.f[F_LAST_PROGRESS] = now
         st.tail_armed[aggregator] = TAIL_PROBES       # R-L8: tail probes may follow this result
         st.i[I_REMAINING] = S - st.counts[2]
@@ -796,25 +623,6 @@ def flush_ready(st, now):
     pace_sent(st, columns, held, resume)
     return encode_columns(st, n) if n else 0
 
-
-@njit(inline="always", **JIT)
-def recovery_timer(st, due_by=np.inf):
-    """When loss recovery next needs poll(): a column's timer expired while its aggregator is quiet, or
-    the allreduce timed out (R-L1, R-L2, R-L5); inf when done. With `due_by`: where that is later than
-    due_by, possibly an earlier time still after due_by (next_timer)."""
-    if st.i[I_REMAINING] == 0:
-        return np.inf
-    t = next_timer(st, due_by)
-    return min(t, st.f[F_LAST_PROGRESS] + st.f[F_TIMEOUT])
-
-
-@njit(inline="always", **JIT)
-def timer(st):
-    """When the machine next needs a look: loss recovery's timer (poll), or the pacer's next send (flush,
-    R-C7); inf when done."""
-    if st.i[I_REMAINING] == 0:
-        return np.inf
-    return min(recovery_timer(st), pace_timer(st), drain_timer(st))
 
 
 @njit(**JIT)
