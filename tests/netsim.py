@@ -132,5 +132,4 @@ def run(arrays, aggs, *, block_size=256, epoch=1, loss=0.0, dup=0.0, reorder=0.0
             if rng.random() < 0.7 or not any(q[0] == "worker" and q[1] == idx for q in queue):
                 for a, d2 in machines[idx].flush(now):
                     post("agg", a, idx, d2)
-    n = arrays[0].size
     return [m.output.flat.reshape(arrays[0].shape) for m in machines], machines
