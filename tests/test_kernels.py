@@ -9,7 +9,8 @@
 - grouping a worker's blocks by column (worker_kernels.sort_by_column) against numpy's stable argsort;
 - the whole machine path (netsim) for worlds up to 16 and odd block sizes, against reference_allreduce;
 - NaN/inf refused by Worker.allreduce before any DATA datagram leaves the worker;
-- the driver loop's order of ready columns (take_ready) and its recovery timer (recovery_timer with due_by).
+- the driver loop's order of ready columns (take_ready), the window's prefix (admit), the expired columns
+  taken for retransmission (take_expired) and the recovery timer (recovery_timer with due_by).
 """
 import threading
 
@@ -574,6 +575,50 @@ def test_take_ready_leaves_what_the_window_and_the_pacer_hold_in_its_place():
     assert (taken, left, paced, held) == ([6, 1, 0], [4], 2, 0)
     taken, left, paced, held = _take_ready([5, 2, 7, 0, 3], 8, 1, 8, 2)
     assert (taken, left, paced, held) == ([5, 2], [7, 0, 3], 2, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(done=st.lists(st.booleans(), max_size=60), window=st.integers(0, 70))
+def test_admit_is_the_shortest_prefix_holding_the_window(done, window):
+    """R-L6: the window admits the shortest prefix of the columns (in index order) that holds `window`
+    columns not yet at END, or every column where fewer are open."""
+    round_block = np.where(np.array(done, bool), P.END, 3).astype(np.int64)
+    admitted, open_ = 0, 0
+    for b in round_block:                      # the rule, one column at a time
+        if open_ == window:
+            break
+        admitted += 1
+        open_ += b != P.END
+    assert R.admit(round_block, window) == admitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), S=st.integers(1, 40), A=st.integers(1, 4))
+def test_take_expired_takes_each_aggregators_expired_columns_within_its_allowance(data, S, A):
+    """R-L1/R-L2: per aggregator in turn, its columns (c mod A) not at END whose timer expired, in index
+    order, at most allow[a] of them; each gets a doubled timeout capped at max_rto (Karn: marked resent,
+    so no round-trip sample comes from it) and a new deadline from now. Nothing else changes."""
+    now, max_rto = 5.0, 1.0
+    end = np.array(data.draw(st.lists(st.booleans(), min_size=S, max_size=S)))
+    round_block = np.where(end, P.END, 9).astype(np.int64)
+    deadline = np.array(data.draw(st.lists(st.sampled_from([1.0, 5.0, 6.0, np.inf]), min_size=S, max_size=S)))
+    rto = np.array(data.draw(st.lists(st.sampled_from([0.2, 0.4, 0.75]), min_size=S, max_size=S)))
+    allow = np.array(data.draw(st.lists(st.integers(0, S), min_size=A, max_size=A)), np.int64)
+    sent_at, resent, cols = np.zeros(S), np.zeros(S, bool), np.full(S, -1, np.int64)
+    before = dict(deadline=deadline.copy(), rto=rto.copy(), sent_at=sent_at.copy())
+
+    expect = []
+    for a in range(A):
+        due = [c for c in range(a, S, A) if not end[c] and deadline[c] <= now]
+        expect += due[:allow[a]]
+    k = R.take_expired(round_block, cols, A, deadline, sent_at, resent, rto, allow, max_rto, now)
+    assert cols[:k].tolist() == expect
+    others = np.setdiff1d(np.arange(S), expect)
+    assert np.array_equal(rto[expect], np.minimum(before["rto"][expect] * 2, max_rto))
+    assert np.array_equal(deadline[expect], now + rto[expect]) and (sent_at[expect] == now).all()
+    assert resent[expect].all() and not resent[others].any()
+    for name, array in (("deadline", deadline), ("rto", rto), ("sent_at", sent_at)):
+        assert np.array_equal(array[others], before[name][others]), name
 
 
 def _greedy_cuts(costs, budget, max_entries):
