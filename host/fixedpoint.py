@@ -48,7 +48,7 @@ def quantize(rows: np.ndarray, exps: np.ndarray, world: int) -> np.ndarray:
     """float32 rows (n, B) and agreed exponents (n,) -> int32 rows (n, B): round_half_even(x * 2**(p - e)).
 
     The numpy form of the rule, for the reference sum and the tests; the data path runs the same rule
-    in the compiled kernels (zerosum.kernels), which the tests hold to this one bit for bit.
+    in the compiled kernels (zerosum.worker_kernels), which the tests hold to this one bit for bit.
     """
     scaled = scale_rows(np.asarray(rows, np.float32), precision_bits(world) - exps.astype(np.int64))
     return np.rint(scaled).astype(np.int32)
