@@ -12,7 +12,7 @@ import numpy as np
 from . import aggregator_kernels as AK
 from . import protocol as P
 from . import transport as T
-from .aggregator_service import AggregatorService
+from .aggregator_service import MAX_JOB_SLOTS, AggregatorService
 from .spec import CE, ECN_MASK
 from .warmup import warm_up
 from .udp import LossHook, open_socket, parse_address
@@ -74,7 +74,7 @@ class AggregatorServer:
             log.warning("running open on %s (--insecure): anyone who can reach it can join or disturb a job",
                         self.address[0])
         warm_up()     # compile the kernels before any worker can be waiting for this aggregator
-        max_job_slots = min(slots, max_job_slots or 2048)
+        max_job_slots = min(slots, max_job_slots or MAX_JOB_SLOTS)
         # Every worker of a job may have a datagram in flight for every slot of the job: size the buffer
         # for the largest job (its declared size, or 4 workers) and fewer slots if the kernel gives less.
         per_slot = P.ENTRY_SIZE + 256 * P.WIRE_VALUE.itemsize

@@ -44,6 +44,7 @@ from .aggregator_machine import COUNTERS, AggregatorMachine
 
 # a job's traffic that its machine accepted (keeps the job from expiring)
 _DATAGRAMS, _JOINS, _LEAVES = (COUNTERS.index(name) for name in ("datagrams", "joins", "leaves"))
+MAX_JOB_SLOTS = 2048  # the most slots one job gets, by default (zerosum aggregator --max-job-slots)
 REPLAY_WINDOW = 64    # nonces remembered per (job, rank) when JOINs are authenticated
 log = logging.getLogger("zerosum.aggregator")
 
@@ -58,7 +59,7 @@ class Job:
 
 class AggregatorService:
     def __init__(self, slots: int = 8192, *, max_jobs: int = 16, min_job_slots: int = 64,
-                 max_job_slots: int = 2048, job_idle: float = 0.0, join_timeout: float = 30.0,
+                 max_job_slots: int = MAX_JOB_SLOTS, job_idle: float = 0.0, join_timeout: float = 30.0,
                  declared: dict[int, int] | None = None,
                  max_block_size: int = 4096, max_datagram: int = P.MAX_DATAGRAM,
                  key: bytes | dict[int, bytes] | None = None, multicast: tuple | None = None):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .aggregator_service import MAX_JOB_SLOTS
 from .floor import makespan, read_pass
 from .local import CTX, LocalAggregator, new_key
 from .udp import free_port as _free_port
@@ -165,7 +166,7 @@ def _worker_body(events, acks, sync, rank, world, addresses, plan, gloo_port):
                         {"zerosum_s": zs, "gloo_s": base, "marks": marks, "digest": digest, "read_spans": reads,
                          "phases": phases,
                          "window_bytes": w.stats.window, "srtt_s": w.stats.srtt, "host_wait_s": w.stats.host_wait,
-                         "window": w.config.window}))
+                         "window": w.config.window, "slots": w.slots}))
     if dist is not None:
         dist.destroy_process_group()
     events.put(("done", rank))
@@ -250,8 +251,10 @@ def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> 
     plan = dict(plan, key=new_key())     # only this run's workers can join its aggregators
     aggs = [LocalAggregator(world, slots=plan["slots"], listen=listen[i], max_datagram=plan.get("max_datagram"),
                             prefix=plan["prefixes"][i] if plan.get("prefixes") else (),
-                            multicast=plan.get("multicast"), key=plan["key"])
+                            multicast=plan.get("multicast"), key=plan["key"], block_size=plan["block_size"])
             for i in range(aggregators)]
+    slots_note = aggs[0].slots_note or (f"{plan['slots']:,} slots per aggregator" if plan["slots"] else
+                                        f"{MAX_JOB_SLOTS:,} slots per job (the aggregator's default)")
     events, acks, sync = CTX.Queue(), CTX.Queue(), CTX.Barrier(world)
     gloo_port = 29500 if plan.get("namespaces") else _free_port()
     procs = [CTX.Process(target=_worker, daemon=True,
@@ -287,7 +290,7 @@ def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> 
         agg_counters = [a.stop() for a in aggs]
     rows = [summarize_row(world, density, plan, results[row], snapshots[row]["start"], snapshots[row]["end"])
             for row, density in enumerate(plan["densities"])]
-    return {"rows": rows, "aggregators": agg_counters}
+    return {"rows": rows, "aggregators": agg_counters, "slots_note": slots_note}
 
 
 def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -347,6 +350,7 @@ def summarize_row(world: int, density: float, plan: dict, results: Sequence[dict
         "srtt_s": [r.get("srtt_s") for r in results],
         "host_wait_s": [r.get("host_wait_s") for r in results],    # longest read delay so far (R-C4)
         "window": results[0].get("window", plan.get("window")) if results else None,   # what "auto" became
+        "slots": results[0].get("slots") if results else None,    # the job's slots, as JOIN_ACK granted them
         # (--floor) the ranks' read of their inputs alone, between the timed allreduces: first start to
         # last end, the median over rounds
         "read_s": makespan([r["read_spans"] for r in results]) if results and results[0].get("read_spans")
@@ -437,6 +441,16 @@ def floor_line(row: Mapping) -> str:
         line += (f"; every rank's blocks found {row['found_s']:.4f} s after the first call, the exchange "
                  f"{row['exchange_s']:.4f} s after that")
     return line
+
+
+def slots_summary(results: Mapping) -> str:
+    """One line: the slots each world's job was given, and why (LocalAggregator.slots_note)."""
+    notes = [(run["rows"][0]["workers"], run["slots_note"]) for run in results["runs"] if run.get("slots_note")]
+    if not notes:
+        return "slots: not recorded"
+    if len({note for _, note in notes}) == 1:
+        return f"slots: {notes[0][1]}"
+    return "slots: " + "; ".join(f"{world} workers {note}" for world, note in notes)
 
 
 def window_summary(results: Mapping) -> str:
@@ -607,6 +621,7 @@ def run_from_args(args) -> int:
                          if plan.get("mtu") else "; loopback")
                       + "; " + ("; ".join(sorted({r["multicast_note"] for r in results["runs"]}))
                                 if plan.get("mtu") else loopback_note))
+    console.print(slots_summary(results))
     console.print(window_summary(results))
     recovery = recovery_summary(results)
     if recovery:

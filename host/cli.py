@@ -11,6 +11,7 @@ import textwrap
 from .argtypes import positive_int as _positive_int, rate as _rate, window as _window
 
 from . import protocol as P
+from .aggregator_service import MAX_JOB_SLOTS
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-jobs", type=_positive_int, default=16, help="jobs served at once (more are refused)")
     a.add_argument("--min-job-slots", type=_positive_int, default=64,
                    help="a job is refused when fewer slots than this are free")
-    a.add_argument("--max-job-slots", type=_positive_int, default=2048, help="most slots one job gets")
+    a.add_argument("--max-job-slots", type=_positive_int, default=MAX_JOB_SLOTS, help="most slots one job gets")
     a.add_argument("--job-idle", type=float, default=60.0, metavar="SECONDS",
                    help="a job silent this long ends and frees its slots (0: only when all ranks leave; "
                         "jobs declared with --job/--jobs end only when all their ranks leave)")
@@ -105,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--size", type=_positive_int, default=26_214_400, help="floats per tensor")
         b.add_argument("--block-size", type=_positive_int, default=256, help="values per block")
         b.add_argument("--aggregators", type=_positive_int, default=1, help="aggregator processes")
-        b.add_argument("--slots", type=_positive_int, default=2048, help="slots per aggregator")
+        b.add_argument("--slots", type=_positive_int, default=None,
+                       help="slots per aggregator (default: on loopback as many as keep the job's blocks in "
+                            "flight within a quarter of the last-level cache, at most %d; on veth links %d)"
+                       % (MAX_JOB_SLOTS, MAX_JOB_SLOTS))
         b.add_argument("--rounds", type=_positive_int, default=rounds, help="timed allreduces per density")
         b.add_argument("--warmup", type=int, default=1, help="untimed allreduces per density")
         b.add_argument("--no-baseline", action="store_true", help="skip the torch gloo allreduce baseline")

@@ -81,6 +81,14 @@ def new_key() -> str:
     return secrets.token_hex(32)
 
 
+def _on_loopback(listen: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(listen.rsplit(":", 1)[0].strip("[]")).is_loopback
+    except ValueError:
+        return listen.rsplit(":", 1)[0] == "localhost"
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the parent dies, so no aggregator outlives its user (Linux)."""
     try:
@@ -143,6 +151,54 @@ def choose_group(setting: str | None, default: str, probe, where: str) -> tuple[
     return chosen, f"results by multicast to {chosen}" + (f" (auto: {where})" if setting == "auto" else "")
 
 
+LEAST_LOOPBACK_SLOTS = 256
+CACHE_SHARE = 4          # a job's bytes in flight on loopback: at most a quarter of the last-level cache
+
+
+def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """Bytes of the largest data or unified cache of the first CPU (Linux sysfs: index*/type and size,
+    e.g. "32768K"), None where it does not say."""
+    best = None
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(f"{root}/{name}/type") as f:
+                kind = f.read().strip()
+            with open(f"{root}/{name}/size") as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        if kind in ("Data", "Unified") and size[:-1].isdigit():
+            n = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 0)
+            best = n if best is None or n > best else best
+    return best
+
+
+def loopback_slots(world: int, block_size: int = 256) -> tuple[int, str]:
+    """Slots per job for an aggregator that ZeroSum starts on loopback with all `world` workers on this
+    host: the most (a power of two, LEAST_LOOPBACK_SLOTS to MAX_JOB_SLOTS) that keep the job's bytes in flight,
+    world x slots blocks, within a quarter (CACHE_SHARE) of the last-level cache. On loopback every copy of a datagram
+    (the worker's quantised block, the socket queue, the aggregator's bank, the result) is one host's
+    memory traffic: with 8 workers and 2,048 slots (16 MiB in flight against a 32 MiB cache) dense
+    allreduces took 15-19 % longer than with 1,024, while 4 workers (8 MiB) gained nothing from fewer
+    (benchmark log, "Slots by the cache on loopback"). On links the round trip decides instead, and
+    fewer slots cost dense allreduces there: this is for loopback only. Returns (slots, why)."""
+    from .aggregator_service import MAX_JOB_SLOTS
+    cache = last_level_cache()
+    if not cache:
+        return MAX_JOB_SLOTS, f"{MAX_JOB_SLOTS} slots per job (the cache's size is unknown here)"
+    per_slot = world * block_size * 4          # a block of int32 per worker in flight per slot
+    slots = MAX_JOB_SLOTS
+    while slots > LEAST_LOOPBACK_SLOTS and slots * per_slot * CACHE_SHARE > cache:
+        slots //= 2
+    bound = "at most" if slots * per_slot * CACHE_SHARE <= cache else "the least on loopback, more than"
+    return slots, (f"{slots:,} slots per job (auto on loopback: {slots * per_slot / 2**20:g} MiB in flight, "
+                   f"{bound} a quarter of the {cache / 2**20:g} MiB last-level cache)")
+
+
 class LocalAggregator:
     """A software aggregator in its own process on 127.0.0.1; `stop()` ends it and returns its counters."""
 
@@ -150,14 +206,18 @@ class LocalAggregator:
                  slots: int | None = None, loss: float = 0.0, seed: int | None = None,
                  max_job_slots: int | None = None, job_idle: float | None = None, prefix: Sequence[str] = (),
                  max_datagram: int | None = None, multicast: str | None = None, key: str | None = None,
-                 insecure: bool = False):
+                 insecure: bool = False, block_size: int = 256):
         """workers and job declare a job (None: jobs only come from JOINs); with `slots` alone, the one
-        job gets them all (max_job_slots caps a job's share instead). `prefix` is put before the command,
+        job gets them all (max_job_slots caps a job's share instead); with neither, a declared job on
+        loopback gets `loopback_slots(workers, block_size)` (`slots_note` says how many and why). `prefix` is put before the command,
         e.g. ["ip", "netns", "exec", NS] to run it in a network namespace (the prefix must exec the
         command, so that the snapshot's signal reaches the aggregator). `key`: the secret the workers'
         JOINs must be authenticated with (handed over in a file only this user can read, removed once
         the aggregator has started); without one, a `listen` address other than loopback needs
         `insecure` (protected mode: zerosum aggregator --insecure)."""
+        self.slots_note = None
+        if slots is None and max_job_slots is None and workers and not prefix and _on_loopback(listen):
+            max_job_slots, self.slots_note = loopback_slots(workers, block_size)
         cmd = [*prefix, sys.executable, "-m", "zerosum", "aggregator", "--listen", listen, "--job", str(job),
                "--loss", str(loss), "--announce"]
         if workers:

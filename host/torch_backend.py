@@ -83,6 +83,7 @@ def worker_from_env(store, rank: int, world_size: int):
     env = os.environ.get("ZEROSUM_AGGREGATORS")
     key = os.environ.get("ZEROSUM_KEY") or None
     multicast = os.environ.get("ZEROSUM_MULTICAST", "auto")
+    block_size = int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256))
     if env:
         aggregators = [a.strip() for a in env.split(",") if a.strip()]
         job = int(os.environ.get("ZEROSUM_JOB", 1))
@@ -95,7 +96,8 @@ def worker_from_env(store, rank: int, world_size: int):
             from .local import LocalAggregator, new_key, results_group
             job = int(os.environ.get("ZEROSUM_JOB", random.randrange(1, 0xFFFF)))
             group, _ = results_group(multicast)    # every rank is on this host: by multicast where it works
-            local = LocalAggregator(world_size, job=job, key=key or new_key(), multicast=group)
+            local = LocalAggregator(world_size, job=job, key=key or new_key(), multicast=group,
+                                    block_size=block_size)    # slots by the cache (local.loopback_slots)
             store.set("zerosum/aggregators", local.address)
             store.set("zerosum/job", str(job))
             store.set("zerosum/key", local.key)
@@ -104,8 +106,7 @@ def worker_from_env(store, rank: int, world_size: int):
         job = int(store.get("zerosum/job").decode())
         key = store.get("zerosum/key").decode()
         multicast = store.get("zerosum/multicast").decode()
-    worker = Worker(rank, world_size, aggregators, job=job,
-                    block_size=int(os.environ.get("ZEROSUM_BLOCK_SIZE", 256)),
+    worker = Worker(rank, world_size, aggregators, job=job, block_size=block_size,
                     timeout=float(os.environ.get("ZEROSUM_TIMEOUT", 30)),
                     key=key,
                     window=window_from_env(os.environ.get("ZEROSUM_WINDOW", "auto")),
