@@ -274,3 +274,17 @@ def test_a_small_bench_reports_per_row_cpu_and_retransmissions(tmp_path):
     # where the time went: every rank's blocks found, then the exchange (stamped by the workers)
     assert 0 < row["found_s"] and 0 < row["exchange_s"] and row["read_s"] is None   # no --floor: no read
     assert (tmp_path / "bench.png").exists() == (row["gloo_s"] is not None)
+    # the job's slots, as the aggregator granted them, by the cache on loopback (local.loopback_slots)
+    from zerosum.local import loopback_slots
+    slots, why = loopback_slots(2)
+    assert row["slots"] == slots and bench["runs"][0]["slots_note"] == why
+    assert f"slots: {why}" in " ".join(r.stdout.split())
+
+
+def test_the_slots_line_names_each_world_where_their_slots_differ():
+    from zerosum.bench import slots_summary
+    run = lambda world, note: {"rows": [{"workers": world}], "slots_note": note}     # noqa: E731
+    assert slots_summary({"runs": [run(2, "2,048 a"), run(4, "2,048 a")]}) == "slots: 2,048 a"
+    assert (slots_summary({"runs": [run(4, "2,048 a"), run(8, "1,024 b")]})
+            == "slots: 4 workers 2,048 a; 8 workers 1,024 b")
+    assert slots_summary({"runs": [{"rows": [{"workers": 2}]}]}) == "slots: not recorded"
