@@ -94,6 +94,7 @@ def worker(rank, world, port, gport, size, densities, iters, window, q, sockets_
     s.sendto(bytes([rank]), agg)
     dist.barrier(); time.sleep(0.2); dist.barrier()
     res = {}
+    size = -(-size // 256) * 256               # whole blocks: a last partial one is moved whole
     for d in densities:
         rng = np.random.default_rng(7)          # same blocks on every rank
         nb = size // 256
@@ -157,11 +158,30 @@ def run_floor(world: int, size: int, densities, iters: int = 3, window: int = 64
                                            sockets_only)) for r in range(world)]
     for p in ps: p.start()
     try:
-        res = dict(q.get(timeout=600) for _ in ps)
+        res = collect(ps, q)
     finally:
         for p in ps: p.join(10)
+        for p in ps: p.kill()
         ag.kill()
     return {d: (max(res[r][d][0] for r in res), res[0][d][1]) for d in densities}
+
+
+def collect(ps, q, timeout: float = 600) -> dict:
+    """{rank: result} from every worker process; a worker that died, or silence for `timeout` seconds, is
+    an error at once (a rank that died leaves the others waiting in gloo: nothing else would end it)."""
+    import queue
+    res, quiet = {}, 0.0
+    while len(res) < len(ps):
+        try:
+            rank, r = q.get(timeout=1.0)
+            res[rank], quiet = r, 0.0
+        except queue.Empty:
+            quiet += 1.0
+            dead = [i for i, p in enumerate(ps) if i not in res and p.exitcode not in (None, 0)]
+            if dead or quiet >= timeout:
+                raise RuntimeError(f"the sockets-only star's rank {dead[0]} died (exit code {ps[dead[0]].exitcode})"
+                                   if dead else f"the sockets-only star's ranks were silent for {timeout:.0f} s")
+    return res
 
 
 def read_pass(values: np.ndarray) -> int:
@@ -199,7 +219,7 @@ def main():
     ag.start(); ready.wait(10)
     ps = [ctx.Process(target=worker, args=(r, a.world, port, gport, a.size, dens, a.iters, a.window, q, a.sockets_only)) for r in range(a.world)]
     for p in ps: p.start()
-    res = dict(q.get(timeout=600) for _ in ps)
+    res = collect(ps, q)
     with open(f"/proc/{ag.pid}/stat") as f:
         st = f.read().split()
     agg_cpu = (int(st[13]) + int(st[14])) / os.sysconf("SC_CLK_TCK")

@@ -288,3 +288,27 @@ def test_the_slots_line_names_each_world_where_their_slots_differ():
     assert (slots_summary({"runs": [run(4, "2,048 a"), run(8, "1,024 b")]})
             == "slots: 4 workers 2,048 a; 8 workers 1,024 b")
     assert slots_summary({"runs": [{"rows": [{"workers": 2}]}]}) == "slots: not recorded"
+
+
+def test_the_star_floor_runs_on_sizes_of_no_whole_block():
+    from zerosum.floor import run_floor
+    floor = run_floor(2, 1000, [1.0, 0.5], iters=1)        # 3 blocks and 232 values
+    assert set(floor) == {1.0, 0.5} and all(star > 0 and gloo > 0 for star, gloo in floor.values())
+
+
+def test_a_star_rank_that_dies_is_an_error_at_once_not_a_wait():
+    import queue
+    from types import SimpleNamespace
+    from zerosum.floor import collect
+    q = queue.Queue()
+    q.put((0, {1.0: "r0"}))
+    ps = [SimpleNamespace(exitcode=0), SimpleNamespace(exitcode=1)]
+    with pytest.raises(RuntimeError, match="rank 1 died \\(exit code 1\\)"):
+        collect(ps, q)
+    ps = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]
+    q.put((1, {1.0: "r1"}))
+    with pytest.raises(RuntimeError, match="silent for 2 s"):
+        collect(ps, q, timeout=2)
+    q.put((1, {1.0: "r1"}))
+    q.put((0, {1.0: "r0"}))
+    assert collect(ps, q) == {0: {1.0: "r0"}, 1: {1.0: "r1"}}
