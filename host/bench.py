@@ -267,10 +267,7 @@ def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> 
     done = 0
     try:
         while done < world:
-            try:
-                ev = events.get(timeout=600)
-            except queue.Empty:
-                raise RuntimeError("benchmark workers stopped reporting for 10 minutes") from None
+            ev = next_event(events, procs)
             if ev[0] == "error":
                 raise RuntimeError(f"rank {ev[1]} failed: {ev[2]}")
             if ev[0] == "step" and ev[1] == 0:
@@ -291,6 +288,23 @@ def _run_world(world: int, plan: dict, aggregators: int, port: int, on_step) -> 
     rows = [summarize_row(world, density, plan, results[row], snapshots[row]["start"], snapshots[row]["end"])
             for row, density in enumerate(plan["densities"])]
     return {"rows": rows, "aggregators": agg_counters, "slots_note": slots_note}
+
+
+def next_event(events, procs, timeout: float = 600) -> tuple:
+    """The next report of the bench's worker processes; a process that died without one (killed, or a
+    crash below Python), or silence for `timeout` seconds, is an error at once: the others would wait
+    for it at the next barrier for as long as the barrier's timeout."""
+    quiet = 0.0
+    while True:
+        try:
+            return events.get(timeout=1.0)
+        except queue.Empty:
+            quiet += 1.0
+            dead = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                return ("error", dead[0], f"its process died (exit code {procs[dead[0]].exitcode})")
+            if quiet >= timeout:
+                raise RuntimeError(f"benchmark workers stopped reporting for {timeout:.0f} s") from None
 
 
 def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:

@@ -312,3 +312,18 @@ def test_a_star_rank_that_dies_is_an_error_at_once_not_a_wait():
     q.put((1, {1.0: "r1"}))
     q.put((0, {1.0: "r0"}))
     assert collect(ps, q) == {0: {1.0: "r0"}, 1: {1.0: "r1"}}
+
+
+def test_a_bench_worker_that_dies_without_a_word_is_reported_at_once():
+    import queue
+    from types import SimpleNamespace
+    from zerosum.bench import next_event
+    events = queue.Queue()
+    procs = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]
+    events.put(("step", 0))
+    assert next_event(events, procs) == ("step", 0)
+    procs[1].exitcode = -9                                 # SIGKILLed: no report, no "done"
+    assert next_event(events, procs) == ("error", 1, "its process died (exit code -9)")
+    procs[1].exitcode = 0                                  # ended, having reported
+    with pytest.raises(RuntimeError, match="stopped reporting for 2 s"):
+        next_event(events, procs, timeout=2)
