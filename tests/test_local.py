@@ -1,10 +1,8 @@
 """zerosum.local: the slots an aggregator started on loopback gives a job, from the last-level cache."""
-import threading
-
 import pytest
 
-import zerosum
 from procs import sparse_tensor
+from test_worker_api import run_threads
 from zerosum import local
 from zerosum.aggregator_service import MAX_JOB_SLOTS
 from zerosum.reference import reference_allreduce
@@ -69,26 +67,12 @@ def test_workers_of_a_local_aggregator_get_the_cache_sized_slots_and_exact_sums(
     agg = local.LocalAggregator(world)
     try:
         assert agg.slots_note.startswith("256 slots per job")
-        slots, results, errors = [None] * world, [None] * world, []
-
-        def body(rank):
-            try:
-                with zerosum.Worker(rank, world, [agg.address]) as w:
-                    results[rank] = w.allreduce(xs[rank])
-                    slots[rank] = w.slots
-            except Exception as e:  # reported below
-                errors.append(e)
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        got = run_threads(world, agg.address, lambda rank, w: (w.allreduce(xs[rank]), w.slots))
     finally:
         agg.stop()
-    assert slots == [256] * world
+    assert [slots for _, slots in got] == [256] * world
     ref = reference_allreduce(xs)
-    assert all(r.tobytes() == ref.tobytes() for r in results)
+    assert all(result.tobytes() == ref.tobytes() for result, _ in got)
     given = local.LocalAggregator(world, slots=512)       # slots given: as given, no note
     try:
         assert given.slots_note is None
