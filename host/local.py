@@ -82,6 +82,7 @@ def new_key() -> str:
 
 
 def _on_loopback(listen: str) -> bool:
+    """Whether a HOST:PORT to listen on is this host's loopback."""
     import ipaddress
     try:
         return ipaddress.ip_address(listen.rsplit(":", 1)[0].strip("[]")).is_loopback
@@ -179,17 +180,18 @@ def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | 
 
 def loopback_slots(world: int, block_size: int = 256) -> tuple[int, str]:
     """Slots per job for an aggregator that ZeroSum starts on loopback with all `world` workers on this
-    host: the most (a power of two, LEAST_LOOPBACK_SLOTS to MAX_JOB_SLOTS) that keep the job's bytes in flight,
-    world x slots blocks, within a quarter (CACHE_SHARE) of the last-level cache. On loopback every copy of a datagram
-    (the worker's quantised block, the socket queue, the aggregator's bank, the result) is one host's
-    memory traffic: with 8 workers and 2,048 slots (16 MiB in flight against a 32 MiB cache) dense
-    allreduces took 15-19 % longer than with 1,024, while 4 workers (8 MiB) gained nothing from fewer
+    host: the most (a power of two, LEAST_LOOPBACK_SLOTS to MAX_JOB_SLOTS) that keep the job's bytes in
+    flight, world x slots blocks, within a quarter (CACHE_SHARE) of the last-level cache. On loopback
+    every copy of a datagram (the worker's quantised block, the socket queue, the aggregator's bank, the
+    result) is one host's memory traffic: with 8 workers and 2,048 slots (16 MiB in flight against a
+    32 MiB cache) dense allreduces took about 13 % longer than with 1,024 (medians of eight alternating
+    pairs), 16 workers 8-11 % longer than with 512, while 4 workers (8 MiB) gained nothing from fewer
     (benchmark log, "Slots by the cache on loopback"). On links the round trip decides instead, and
     fewer slots cost dense allreduces there: this is for loopback only. Returns (slots, why)."""
     from .aggregator_service import MAX_JOB_SLOTS
     cache = last_level_cache()
     if not cache:
-        return MAX_JOB_SLOTS, f"{MAX_JOB_SLOTS} slots per job (the cache's size is unknown here)"
+        return MAX_JOB_SLOTS, f"{MAX_JOB_SLOTS:,} slots per job (the cache's size is unknown here)"
     per_slot = world * block_size * 4          # a block of int32 per worker in flight per slot
     slots = MAX_JOB_SLOTS
     while slots > LEAST_LOOPBACK_SLOTS and slots * per_slot * CACHE_SHARE > cache:
@@ -209,9 +211,9 @@ class LocalAggregator:
                  insecure: bool = False, block_size: int = 256):
         """workers and job declare a job (None: jobs only come from JOINs); with `slots` alone, the one
         job gets them all (max_job_slots caps a job's share instead); with neither, a declared job on
-        loopback gets `loopback_slots(workers, block_size)` (`slots_note` says how many and why). `prefix` is put before the command,
-        e.g. ["ip", "netns", "exec", NS] to run it in a network namespace (the prefix must exec the
-        command, so that the snapshot's signal reaches the aggregator). `key`: the secret the workers'
+        loopback gets `loopback_slots(workers, block_size)` (`slots_note` says how many and why).
+        `prefix` is put before the command, e.g. ["ip", "netns", "exec", NS] to run it in a network
+        namespace (the prefix must exec the command, so that the snapshot's signal reaches the aggregator). `key`: the secret the workers'
         JOINs must be authenticated with (handed over in a file only this user can read, removed once
         the aggregator has started); without one, a `listen` address other than loopback needs
         `insecure` (protected mode: zerosum aggregator --insecure)."""

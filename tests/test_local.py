@@ -51,7 +51,7 @@ def test_loopback_slots_on_this_kind_of_cache_and_without_one(monkeypatch):
     monkeypatch.setattr(local, "last_level_cache", lambda: 32 << 20)
     assert [local.loopback_slots(w)[0] for w in (2, 4, 8, 16, 32)] == [2048, 2048, 1024, 512, 256]
     monkeypatch.setattr(local, "last_level_cache", lambda: None)
-    assert local.loopback_slots(8) == (MAX_JOB_SLOTS, f"{MAX_JOB_SLOTS} slots per job (the cache's size is "
+    assert local.loopback_slots(8) == (MAX_JOB_SLOTS, f"{MAX_JOB_SLOTS:,} slots per job (the cache's size is "
                                                       "unknown here)")
 
 
