@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .aggregator_service import MAX_JOB_SLOTS
-from .floor import makespan, read_pass
+from .floor import ProcessDied, makespan, next_report, read_pass, run_floor
 from .local import CTX, LocalAggregator, new_key
 from .udp import free_port as _free_port
 
@@ -294,17 +294,12 @@ def next_event(events, procs, timeout: float = 600) -> tuple:
     """The next report of the bench's worker processes; a process that died without one (killed, or a
     crash below Python), or silence for `timeout` seconds, is an error at once: the others would wait
     for it at the next barrier for as long as the barrier's timeout."""
-    quiet = 0.0
-    while True:
-        try:
-            return events.get(timeout=1.0)
-        except queue.Empty:
-            quiet += 1.0
-            dead = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                return ("error", dead[0], f"its process died (exit code {procs[dead[0]].exitcode})")
-            if quiet >= timeout:
-                raise RuntimeError(f"benchmark workers stopped reporting for {timeout:.0f} s") from None
+    try:
+        return next_report(events, procs, range(len(procs)), timeout)
+    except ProcessDied as e:
+        return ("error", e.rank, f"its process died (exit code {e.exitcode})")
+    except queue.Empty:
+        raise RuntimeError(f"benchmark workers stopped reporting for {timeout:.0f} s") from None
 
 
 def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -617,7 +612,6 @@ def run_from_args(args) -> int:
             results["runs"].append(run)
             if args.floor:
                 # right after this world's rows, not after every world's: this VM's speed moves by the minute
-                from .floor import run_floor
                 progress.update(task, description=f"{world} workers: the sockets-only star")
                 floor = run_floor(world, plan["size"], plan["densities"], iters=plan["rounds"])
                 for r in run["rows"]:

@@ -166,21 +166,45 @@ def run_floor(world: int, size: int, densities, iters: int = 3, window: int = 64
     return {d: (max(res[r][d][0] for r in res), res[0][d][1]) for d in densities}
 
 
-def collect(ps, q, timeout: float = 600) -> dict:
-    """{rank: result} from every worker process; a worker that died, or silence for `timeout` seconds, is
-    an error at once (a rank that died leaves the others waiting in gloo: nothing else would end it)."""
+class ProcessDied(RuntimeError):
+    """A process that was to report ended without doing so (killed, or a crash below Python)."""
+
+    def __init__(self, rank: int, exitcode: int):
+        super().__init__(f"rank {rank} died (exit code {exitcode})")
+        self.rank, self.exitcode = rank, exitcode
+
+
+def next_report(q, procs, waiting, timeout: float = 600):
+    """The next item on the queue q that the processes `procs` report on. ProcessDied at once where one of
+    the ranks `waiting` ended otherwise than cleanly (the others would wait for it in gloo or at a barrier:
+    nothing else would end it); queue.Empty after `timeout` seconds of silence."""
     import queue
-    res, quiet = {}, 0.0
-    while len(res) < len(ps):
+    quiet = 0.0
+    while True:
         try:
-            rank, r = q.get(timeout=1.0)
-            res[rank], quiet = r, 0.0
+            return q.get(timeout=1.0)
         except queue.Empty:
             quiet += 1.0
-            dead = [i for i, p in enumerate(ps) if i not in res and p.exitcode not in (None, 0)]
-            if dead or quiet >= timeout:
-                raise RuntimeError(f"the sockets-only star's rank {dead[0]} died (exit code {ps[dead[0]].exitcode})"
-                                   if dead else f"the sockets-only star's ranks were silent for {timeout:.0f} s")
+            dead = [i for i in waiting if procs[i].exitcode not in (None, 0)]
+            if dead:
+                raise ProcessDied(dead[0], procs[dead[0]].exitcode) from None
+            if quiet >= timeout:
+                raise
+
+
+def collect(ps, q, timeout: float = 600) -> dict:
+    """{rank: result} from every worker process; a worker that died, or silence for `timeout` seconds, is
+    an error at once."""
+    import queue
+    res = {}
+    while len(res) < len(ps):
+        try:
+            rank, r = next_report(q, ps, [i for i in range(len(ps)) if i not in res], timeout)
+        except ProcessDied as e:
+            raise RuntimeError(f"the sockets-only star's {e}") from None
+        except queue.Empty:
+            raise RuntimeError(f"the sockets-only star's ranks were silent for {timeout:.0f} s") from None
+        res[rank] = r
     return res
 
 
