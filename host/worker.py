@@ -416,12 +416,15 @@ class Worker:
         reserve = T.RX_BATCH * self._rows_per_buffer(self.block_size)
         capacity = max(64, min(2 * len(source.blocks), num_blocks + reserve))
         if staging_for is None:
-            sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity)
+            # collected in memory kept between allreduces, returned as sorted copies
+            sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity, allocate=self._scratch.array)
         else:
             pinned = staging_for.is_cuda
 
-            def allocate(values, dtype):
-                return self._staging.array("out", values, dtype, pinned)
+            def allocate(role, values, dtype):
+                # the sums page-locked for their copy to the device; their indices stay on the host
+                return self._staging.array("out" if role == "rows" else "out-blocks", values, dtype,
+                                           pinned and role == "rows")
             sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity, allocate=allocate)
         try:
             self._reduce(source, sink, average)

@@ -211,15 +211,28 @@ class Scratch:
     a round of every column with its data (2 MiB for 2,048 columns of 256 values); allocated and zero-filled
     for each allreduce, it took 0.06-0.1 ms of a worker's CPU time at density 0.01 (the machine's set-up:
     0.39-0.41 ms, 0.31-0.34 reusing it). Its old bytes need no clearing: encode_data writes every byte of
-    a datagram (header, entries, data, padding)."""
+    a datagram (header, entries, data, padding). The sums of block input are collected in kept buffers
+    too (`array`, CollectedBlocks' allocator), which the caller copies out of."""
 
     def __init__(self):
         self._datagrams = np.zeros(0, np.uint8)
+        self._kept: dict[str, np.ndarray] = {}     # role -> bytes
 
     def datagram_buffer(self, nbytes: int) -> np.ndarray:
         if self._datagrams.size < nbytes:
             self._datagrams = np.zeros(nbytes, np.uint8)
         return self._datagrams[:nbytes]
+
+    def array(self, role: str, values: int, dtype) -> np.ndarray:
+        """The first `values` elements of `dtype` of the role's kept buffer (contents undefined), grown to
+        the largest asked for with room for half again, never shrunk; asked for again while no larger, it
+        keeps its start (CollectedBlocks' growth then copies onto itself)."""
+        dtype = np.dtype(dtype)
+        nbytes = values * dtype.itemsize
+        buf = self._kept.get(role)
+        if buf is None or buf.size < nbytes:
+            buf = self._kept[role] = np.empty(max(64, nbytes + nbytes // 2), np.uint8)
+        return buf[:nbytes].view(dtype)
 
 
 class AllreduceMachine:
