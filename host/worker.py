@@ -217,6 +217,8 @@ class Worker:
         if self._group is not None:
             self._group.close()
             self._group = None
+        self._scratch = Scratch()    # the memory kept for the next allreduce goes with the socket
+        self._staging = tensors.Staging()
         if perfmap.installed():
             perfmap.write()      # a multiprocessing child ends without running atexit
 
@@ -398,6 +400,8 @@ class Worker:
         `num_blocks`, the same on every rank) with their values `rows` (len(blocks) x block_size,
         float32 or int32). Returns (block indices, rows) of the sum, sorted: every block some rank
         sent. The cost follows the blocks given, not num_blocks: no dense buffer is scanned or written.
+        The sums are collected in memory the worker keeps for its next allreduces (the largest union so
+        far, and half again) and returned as copies; close() releases it.
         """
         self._check_open()
         rows = np.asarray(rows)
