@@ -161,6 +161,30 @@ class DenseResult:
         self.flat = flat
 
 
+def host_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
+class KeptBuffers:
+    """Memory kept from one allreduce to the next (a fresh host array costs a page fault per 4 KiB when it
+    is first written): one byte buffer per role, made by `allocate(nbytes)` (a uint8 array), grown to the
+    largest asked for with room for half again, never shrunk. `buffers` holds them by role."""
+
+    def __init__(self, allocate=host_bytes):
+        self._allocate = allocate
+        self.buffers: dict = {}
+
+    def array(self, role, values: int, dtype) -> np.ndarray:
+        """The first `values` elements of `dtype` of the role's buffer (contents undefined); asked for
+        again while no larger, it keeps its start (CollectedBlocks' growth then copies onto itself)."""
+        dtype = np.dtype(dtype)
+        nbytes = values * dtype.itemsize
+        buf = self.buffers.get(role)
+        if buf is None or buf.size < nbytes:
+            buf = self.buffers[role] = self._allocate(max(64, nbytes + nbytes // 2))
+        return buf[:nbytes].view(dtype)
+
+
 def fresh_zeros(role: str, values: int, dtype) -> np.ndarray:
     """CollectedBlocks' default allocator: new memory for each buffer (`role` "rows" or "blocks")."""
     return np.zeros(values, dtype)
@@ -171,8 +195,8 @@ class CollectedBlocks:
     path): rows and their block indices are appended to buffers that grow as needed.
     `allocate(role, values, dtype)` gives those buffers (role "rows" or "blocks"; the kernel writes every
     row and index before it is read, so they need not be zeroed). Workers pass memory they keep between
-    allreduces (worker_machine.Scratch; tensors.Staging for the device path), which hands out the same
-    start again, so that a growth copies onto itself: fresh memory for every allreduce cost a page fault
+    allreduces (KeptBuffers: worker_machine.Scratch, tensors.Staging for the device path), which hand out
+    the same start again, so that a growth copies onto itself: fresh memory for every allreduce cost a page fault
     per 4 KiB written, a fifth of the CPU time of 1 % allreduces of block input."""
     collect = True
 

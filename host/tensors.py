@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from .blocks import block_count
+from .blocks import KeptBuffers, block_count
 
 
 def is_tensor(x) -> bool:
@@ -32,31 +32,30 @@ def check_dtype(t) -> None:
         raise TypeError(f"allreduce supports float32 and int32 tensors, not {t.dtype}")
 
 
+def _host_bytes(nbytes: int, pinned: bool) -> np.ndarray:
+    """nbytes of host memory as a uint8 array (which keeps its torch buffer alive), page-locked if
+    `pinned` and the driver has any left (pageable is slower, not wrong)."""
+    import torch
+    try:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    except RuntimeError:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf.numpy()
+
+
 class Staging:
     """Host buffers kept between allreduces, one per role ("in": the blocks sent, "out": the sums
-    received), each grown to the largest asked for and never shrunk; page-locked (pinned) for tensors on
-    a CUDA device, so that copies to and from it run as DMA."""
+    received, "out-blocks": their indices), each grown to the largest asked for and never shrunk
+    (blocks.KeptBuffers); page-locked (pinned) for tensors on a CUDA device, so that copies to and from
+    it run as DMA."""
 
     def __init__(self):
-        self._buffers = {}      # (role, pinned) -> torch uint8 tensor
+        self._kept = {pinned: KeptBuffers(lambda nbytes, pinned=pinned: _host_bytes(nbytes, pinned))
+                      for pinned in (False, True)}
 
     def array(self, role: str, values: int, dtype, pinned: bool) -> np.ndarray:
-        """The first `values` elements of `dtype` of the role's buffer (contents undefined; an array
-        asked for again while a larger one is in use keeps the same start, so that CollectedBlocks'
-        copy on growth copies data onto itself)."""
-        import torch
-        dtype = np.dtype(dtype)
-        nbytes = values * dtype.itemsize
-        buf = self._buffers.get((role, pinned))
-        if buf is None or buf.numel() < nbytes:
-            # room to grow by half again: a bucket a little larger than the last does not reallocate
-            size = max(64, nbytes + nbytes // 2)
-            try:
-                buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-            except RuntimeError:     # no page-locked memory left: pageable is slower, not wrong
-                buf = torch.empty(size, dtype=torch.uint8)
-            self._buffers[(role, pinned)] = buf
-        return buf.numpy()[:nbytes].view(dtype)[:values]
+        """The first `values` elements of `dtype` of the role's buffer (contents undefined; KeptBuffers)."""
+        return self._kept[bool(pinned)].array(role, values, dtype)
 
 
 def gather_nonzero(t, block_size: int, staging: Staging | None = None) -> tuple[np.ndarray, np.ndarray]:

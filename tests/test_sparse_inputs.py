@@ -195,7 +195,7 @@ def test_block_sums_are_collected_in_kept_memory_and_returned_as_copies():
             got, kept = [], []
             for (n, _), inputs in zip(sizes, cases):
                 got.append(w.allreduce_blocks(*inputs[rank], n))
-                kept.append(w._scratch._kept["rows"])
+                kept.append(w._scratch.kept.buffers["rows"])
             return got, kept
         runs = run_threads(world, agg.address, fn, block_size=B)
     finally:
