@@ -185,25 +185,21 @@ class KeptBuffers:
         return buf[:nbytes].view(dtype)
 
 
-def fresh_zeros(role: str, values: int, dtype) -> np.ndarray:
-    """CollectedBlocks' default allocator: new memory for each buffer (`role` "rows" or "blocks")."""
-    return np.zeros(values, dtype)
-
-
 class CollectedBlocks:
     """A result sink that keeps the summed blocks as they arrive (for sparse results and the device
     path): rows and their block indices are appended to buffers that grow as needed.
     `allocate(role, values, dtype)` gives those buffers (role "rows" or "blocks"; the kernel writes every
-    row and index before it is read, so they need not be zeroed). Workers pass memory they keep between
-    allreduces (KeptBuffers: worker_machine.Scratch, tensors.Staging for the device path), which hand out
-    the same start again, so that a growth copies onto itself: fresh memory for every allreduce cost a page fault
-    per 4 KiB written, a fifth of the CPU time of 1 % allreduces of block input."""
+    row and index before it is read, so they need not be zeroed): a KeptBuffers' `array`, the sink's own
+    by default. Workers pass memory they keep between allreduces (worker_machine.Scratch, tensors.Staging
+    for the device path), which hands out the same start again, so that a growth copies onto itself:
+    fresh memory for every allreduce cost a page fault per 4 KiB written, a fifth of the CPU time of 1 %
+    allreduces of block input."""
     collect = True
 
-    def __init__(self, dtype, block_size: int, capacity: int = 64, allocate=fresh_zeros):
+    def __init__(self, dtype, block_size: int, capacity: int = 64, allocate=None):
         self.dtype = np.dtype(dtype)
         self.block_size = block_size
-        self._allocate = allocate
+        self._allocate = allocate or KeptBuffers().array
         # the kernel's counters: duplicates, rows used, columns done, blocks of the sum with data, and the
         # congestion controller's samples of the last datagram (kernels.apply_datagram)
         self.count = np.zeros(N_COUNTS, np.int64)

@@ -213,10 +213,10 @@ class LocalAggregator:
         job gets them all (max_job_slots caps a job's share instead); with neither, a declared job on
         loopback gets `loopback_slots(workers, block_size)` (`slots_note` says how many and why).
         `prefix` is put before the command, e.g. ["ip", "netns", "exec", NS] to run it in a network
-        namespace (the prefix must exec the command, so that the snapshot's signal reaches the aggregator). `key`: the secret the workers'
-        JOINs must be authenticated with (handed over in a file only this user can read, removed once
-        the aggregator has started); without one, a `listen` address other than loopback needs
-        `insecure` (protected mode: zerosum aggregator --insecure)."""
+        namespace (the prefix must exec the command, so that the snapshot's signal reaches the
+        aggregator). `key`: the secret the workers' JOINs must be authenticated with (handed over in a
+        file only this user can read, removed once the aggregator has started); without one, a `listen`
+        address other than loopback needs `insecure` (protected mode: zerosum aggregator --insecure)."""
         self.slots_note = None
         if slots is None and max_job_slots is None and workers and not prefix and _on_loopback(listen):
             max_job_slots, self.slots_note = loopback_slots(workers, block_size)

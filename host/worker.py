@@ -421,7 +421,8 @@ class Worker:
         capacity = max(64, min(2 * len(source.blocks), num_blocks + reserve))
         if staging_for is None:
             # collected in memory kept between allreduces, returned as sorted copies
-            sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity, allocate=self._scratch.kept.array)
+            sink = CollectedBlocks(rows.dtype, self.block_size, capacity=capacity,
+                                   allocate=self._scratch.kept.array)
         else:
             pinned = staging_for.is_cuda
 
